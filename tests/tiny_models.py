@@ -1,0 +1,44 @@
+"""Tiny random transformers models for numerics tests (built at test time, never committed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+COMMON: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.15,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+#: name → (config class, model class, config overrides)
+KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_theta": 5000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16}}),
+}
+
+
+def build_tiny(kind: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    """Create, save (safetensors) and return a tiny random model of `kind` in eval mode."""
+    config_cls, model_cls, overrides = KINDS[kind]
+    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # norms start at 1; perturb them so a wrong norm weight shows in the logits
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+            if name.endswith(".bias"):
+                param.normal_(0, 0.1)
+    model.to(dtype).save_pretrained(directory, safe_serialization=True)
+    return model.float()

@@ -1,0 +1,171 @@
+"""Model families: the contract between a family plugin and the core's stage template.
+
+A family is data plus one function (the MLC-LLM shape): which architectures it accepts, how it turns a
+Hugging Face config into a `ModelSpec`, its weight names, and `build_block`, the transformer block
+written once. The stage template (`stages.py`) wraps that block into prefill, prefill-with-history and
+decode functions through a `BlockContext`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from topq.core.errors import TopqError
+
+if TYPE_CHECKING:
+    from topq.core.stages import BlockContext
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A normalised model configuration: what the graph needs, in one vocabulary for every family."""
+
+    family: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rope_mode: str = "contiguous_halves"
+    rotary_dim: int = 0  # 0 = head_dim
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise TopqError(f"model spec has unknown fields: {', '.join(sorted(unknown))}")
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def config_get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    """The first present, non-None config value among `keys` (configs spell things differently)."""
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            return value
+    return default
+
+
+def normalize_llama_like(config: Mapping[str, Any], family: str, **overrides: Any) -> ModelSpec:
+    """The config table shared by Llama-style decoders (the role optimum's NormalizedConfig plays)."""
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        spec = dict(
+            family=family,
+            architecture=(config.get("architectures") or [config.get("model_type", family)])[0],
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config_get(config, "num_key_value_heads", default=heads)),
+            head_dim=int(config_get(config, "head_dim", default=hidden // heads)),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config_get(config, "rms_norm_eps", default=1e-6)),
+            rope_theta=float(config_get(config, "rope_theta", default=10000.0)),
+            rope_scaling=_rope_scaling(config),
+            max_position_embeddings=int(config_get(config, "max_position_embeddings", default=4096)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            hidden_act=str(config_get(config, "hidden_act", "hidden_activation", default="silu")),
+            attention_bias=bool(config.get("attention_bias", False)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_eos_ids(config.get("eos_token_id")),
+        )
+    except KeyError as exc:
+        raise TopqError(f"config is missing {exc.args[0]!r} (needed by the {family} family)") from None
+    partial = config.get("partial_rotary_factor")
+    if partial:
+        spec["rotary_dim"] = int(spec["head_dim"] * float(partial))
+    spec.update(overrides)
+    return ModelSpec(**spec)
+
+
+def _rope_scaling(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    # transformers 5 folds rope_theta into rope_parameters; older configs use rope_scaling.
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")
+    if not scaling:
+        return None
+    scaling = {k: v for k, v in dict(scaling).items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    scaling["rope_type"] = kind
+    scaling.pop("type", None)
+    return scaling
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What a family plugin registers.
+
+    `layer_weights` maps the block's logical weight keys to checkpoint names with `{i}` for the layer;
+    `global_weights` names the embedding, final norm and lm_head. `quant_groups` lists the linears that
+    share an input (AWQ scales them together). `build_block(ctx)` builds one transformer block.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    normalize: Callable[[Mapping[str, Any]], ModelSpec]
+    layer_weights: Mapping[str, str]
+    build_block: Callable[[BlockContext], Any]
+    global_weights: Mapping[str, str] = field(
+        default_factory=lambda: {
+            "embed": "model.embed_tokens.weight",
+            "final_norm": "model.norm.weight",
+            "lm_head": "lm_head.weight",
+        }
+    )
+    quant_groups: tuple[tuple[str, ...], ...] = ()
+    description: str = ""
+
+    def accepts(self, config: Mapping[str, Any]) -> bool:
+        archs = config.get("architectures") or []
+        return any(a in self.architectures for a in archs) or config.get("model_type") in self.model_types
+
+
+def find_family(families: Any, config: Mapping[str, Any], requested: str = "auto") -> ModelFamily:
+    """The family named by the recipe, or the one that accepts the config's architecture."""
+    if requested != "auto":
+        return families.get(requested)
+    for family in families:
+        if family.accepts(config):
+            return family
+    archs = config.get("architectures") or [config.get("model_type")]
+    known = sorted(a for f in families for a in f.architectures)
+    raise TopqError(f"unknown architecture {', '.join(map(str, archs))}; known: {', '.join(known)}")

@@ -1,0 +1,43 @@
+"""The hooks a topq plugin implements. Each receives a `register` callback (the style of simonw/llm).
+
+A plugin is a module (or object) with functions decorated by `topq.hookimpl`; it registers built-in
+or third-party model families, checkpoint formats, quantization schemes and targets. Every hook is
+documented in docs/plugins.md (a test checks that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from topq.core.checkpoint import CheckpointFormat
+    from topq.core.family import ModelFamily
+    from topq.core.quant import QuantScheme
+    from topq.core.target import Target
+
+hookspec = pluggy.HookspecMarker("topq")
+hookimpl = pluggy.HookimplMarker("topq")
+
+
+@hookspec
+def register_model_families(register: Callable[[ModelFamily], None]) -> None:
+    """Register model families: the architectures / model_types a family accepts, its config normalisation,
+    its weight-name map, its per-layer block builder and its quant groups."""
+
+
+@hookspec
+def register_checkpoint_formats(register: Callable[[CheckpointFormat], None]) -> None:
+    """Register checkpoint readers (a Hugging Face directory, a GGUF file, pre-quantized formats)."""
+
+
+@hookspec
+def register_quant_schemes(register: Callable[[QuantScheme], None]) -> None:
+    """Register quantization schemes: name, options, whether it needs calibration, how it quantizes weights."""
+
+
+@hookspec
+def register_targets(register: Callable[[Target], None]) -> None:
+    """Register targets: a chip spec, its dialect and lowering, passes, bundle code, runtime and perf model."""

@@ -1,0 +1,116 @@
+"""The reference interpreter: executes Top IR op by op in float32 numpy.
+
+It is the semantic definition of Top IR and the `host` target. Like torch.fx's Interpreter it is
+meant to be subclassed: override `kernels` (a table op name → kernel) or `run_op` to execute another
+dialect, or `load_weight` to read weights from another store. Each function is compiled once into a
+flat plan of (kernel, operand slots, result slots, attributes) so the hot loop does no lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from topq.core.catalogue import CATALOGUE
+from topq.core.errors import TopqError
+from topq.core.ir import Function, Module, Operation
+from topq.core.reference_ops import REFERENCE_OPS, Kernel
+
+WeightLoader = Callable[[str], np.ndarray]
+
+
+@dataclass
+class Step:
+    op: Operation
+    kernel: Kernel
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    attrs: dict[str, Any]
+
+
+@dataclass
+class Plan:
+    num_slots: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    constants: dict[int, np.ndarray]
+    steps: list[Step]
+
+
+class Interpreter:
+    kernels: Mapping[str, Kernel] = REFERENCE_OPS
+
+    def __init__(self, module: Module, weights: WeightLoader) -> None:
+        self.module = module
+        self.weights = weights
+        self._plans: dict[str, Plan] = {}
+        self._weight_cache: dict[str, np.ndarray] = {}
+
+    # -- extension points ------------------------------------------------------------------------
+    def load_weight(self, op: Operation) -> np.ndarray:
+        name = op.attrs["name"]
+        array = self._weight_cache.get(name)
+        if array is None:
+            array = self.weights(name)
+            expected = op.results[0].type.shape
+            if tuple(array.shape) != tuple(expected):
+                raise TopqError(f"weight {name} has shape {list(array.shape)}, the program expects {list(expected)}")
+            self._weight_cache[name] = array
+        return array
+
+    def kernel_for(self, op: Operation) -> Kernel:
+        kernel = self.kernels.get(op.name)
+        if kernel is None:
+            raise TopqError(f"{type(self).__name__} cannot execute {op.name}")
+        return kernel
+
+    # -- execution -------------------------------------------------------------------------------
+    def plan(self, function: Function) -> Plan:
+        plan = self._plans.get(function.name)
+        if plan is None:
+            plan = self._plans[function.name] = self._compile(function)
+        return plan
+
+    def _compile(self, function: Function) -> Plan:
+        slots: dict[int, int] = {}
+
+        def slot(value: Any) -> int:
+            return slots.setdefault(id(value), len(slots))
+
+        inputs = tuple(slot(a) for a in function.args)
+        constants: dict[int, np.ndarray] = {}
+        steps: list[Step] = []
+        for op in function.ops:
+            if op.name == "top.Weight":
+                constants[slot(op.results[0])] = self.load_weight(op)
+                continue
+            opdef = CATALOGUE.get(op.name)
+            attrs = opdef.with_defaults(op.attrs) if opdef else dict(op.attrs)
+            steps.append(Step(op, self.kernel_for(op), tuple(slots[id(v)] for v in op.operands),
+                              tuple(slot(r) for r in op.results), attrs))
+        outputs = tuple(slots[id(r)] for r in function.results)
+        return Plan(len(slots), inputs, outputs, constants, steps)
+
+    def run(self, name: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        function = self.module[name]
+        plan = self.plan(function)
+        if len(inputs) != len(plan.inputs):
+            raise TopqError(f"@{name} takes {len(plan.inputs)} inputs, got {len(inputs)}")
+        env: list[Any] = [None] * plan.num_slots
+        for s, value, arg in zip(plan.inputs, inputs, function.args):
+            if tuple(value.shape) != arg.type.shape:
+                raise TopqError(f"@{name}: input of shape {list(value.shape)}, expected {list(arg.type.shape)}")
+            env[s] = value
+        for s, value in plan.constants.items():
+            env[s] = value
+        for step in plan.steps:
+            outs = self.run_op(step, [env[i] for i in step.operands])
+            for s, value in zip(step.results, outs):
+                env[s] = value
+        return [env[s] for s in plan.outputs]
+
+    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        return step.kernel(inputs, step.attrs)

@@ -1,0 +1,141 @@
+"""The conversion pipeline: checkpoint + recipe → Top IR → target compile → bundle."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+import topq
+from topq.core.bundle import write_bundle
+from topq.core.checkpoint import Checkpoint
+from topq.core.errors import TopqError
+from topq.core.family import ModelFamily, ModelSpec, find_family
+from topq.core.ir import Module
+from topq.core.plugins import Plugins, get_plugins
+from topq.core.printer import print_function
+from topq.core.recipe import Recipe
+from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.core.target import CompileJob
+from topq.core.verifier import verify_module
+
+
+def open_checkpoint(plugins: Plugins, path: str | Path, fmt: str = "auto") -> Checkpoint:
+    path = Path(path)
+    if not path.exists():
+        raise TopqError(f"checkpoint not found: {path}")
+    if fmt != "auto":
+        return plugins.formats.get(fmt).open(path)
+    for candidate in plugins.formats:
+        if candidate.detect(path):
+            return candidate.open(path)
+    raise TopqError(f"{path}: not a checkpoint any format recognises (known formats: {', '.join(plugins.formats.names())})")
+
+
+@dataclass
+class LoadedModel:
+    checkpoint: Checkpoint
+    family: ModelFamily
+    spec: ModelSpec
+    module: Module
+    extra_weights: dict[str, np.ndarray]
+
+    def weight(self, name: str) -> np.ndarray:
+        if name in self.extra_weights:
+            return self.extra_weights[name]
+        return self.checkpoint.weights.get(name)
+
+
+def load_model(recipe: Recipe, plugins: Plugins | None = None) -> LoadedModel:
+    """Open the checkpoint and express it as a verified Top IR program."""
+    plugins = plugins or get_plugins()
+    checkpoint = open_checkpoint(plugins, recipe.model.path, recipe.model.format)
+    family = find_family(plugins.families, checkpoint.config, recipe.model.family)
+    spec = family.normalize(checkpoint.config)
+    stages = StageConfig.from_recipe(recipe.stages)
+    shapes = {name: checkpoint.weights.shape(name) for name in checkpoint.weights.names()}
+    module = build_program(spec, family, stages, shapes)
+    verify_module(module)
+    return LoadedModel(checkpoint, family, spec, module, rope_weights(spec, stages.seq_length))
+
+
+def linear_weight_names(module: Module) -> frozenset[str]:
+    """Weights used as the right operand of a matmul (the ones weight quantization applies to)."""
+    producers = {}
+    names = set()
+    for function in module:
+        for op in function.walk():
+            if op.name == "top.Weight":
+                producers[id(op.results[0])] = op.attrs["name"]
+            elif op.name == "top.MatMul":
+                name = producers.get(id(op.operands[1]))
+                if name:
+                    names.add(name)
+            elif op.name == "top.MLP":
+                names.update(producers[id(v)] for v in op.operands[1:] if id(v) in producers)
+    return frozenset(names)
+
+
+def dump_ir(directory: Path, dialect: str, module_text: str | Module) -> None:
+    """One .mlir file per function under DIRECTORY/DIALECT/."""
+    from topq.core.parser import parse_module
+
+    module = parse_module(module_text) if isinstance(module_text, str) else module_text
+    out = directory / dialect
+    out.mkdir(parents=True, exist_ok=True)
+    for function in module:
+        (out / f"{function.name}.mlir").write_text(print_function(function))
+
+
+def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the whole conversion; return a JSON-able summary."""
+    started = time.perf_counter()
+    plugins = get_plugins()
+    scheme = plugins.schemes.get(recipe.quant.scheme)
+    target = plugins.targets.get(recipe.target.chip)
+    if target.schemes and scheme.name not in target.schemes:
+        raise TopqError(f"target {target.name} cannot run scheme {scheme.name}; it runs: {', '.join(target.schemes)}")
+    if not target.schemes and not scheme.is_float and target.name != "host":
+        raise TopqError(f"target {target.name} runs only float schemes")
+    model = load_model(recipe, plugins)
+    stages = StageConfig.from_recipe(recipe.stages)
+    if dump_dir is not None:
+        dump_ir(Path(dump_dir), "top", model.module)
+    quant_options = recipe.to_dict()["quant"]
+    job = CompileJob(module=model.module, spec=model.spec, weights=model.weight, scheme=scheme,
+                     quant_options=quant_options, recipe=recipe.to_dict(),
+                     linear_weights=linear_weight_names(model.module))
+    compiled = target.compile(job)
+    if dump_dir is not None:
+        dump_ir(Path(dump_dir), target.name, compiled.program)
+    tensors = compiled.tensors.items() if isinstance(compiled.tensors, dict) else compiled.tensors
+    tensors = list(tqdm(tensors, desc="compile weights", unit="tensor", disable=not progress))
+    meta = {
+        "topq_version": topq.__version__,
+        "target": target.name,
+        "scheme": scheme.name,
+        "program": compiled.program,
+        "spec": model.spec.to_dict(),
+        "family": model.family.name,
+        "recipe": recipe.to_dict(),
+        "tokenizer": model.checkpoint.tokenizer_files,
+        "target_meta": compiled.metadata,
+        "stages": {"seq_length": stages.seq_length, "max_input_length": stages.max_input_length,
+                   "prefill_kv": stages.prefill_kv, "decode_variants": list(stages.decode_variants)},
+    }
+    output = Path(recipe.output.path)
+    write_bundle(output, tensors, meta)
+    return {
+        "output": str(output),
+        "target": target.name,
+        "scheme": scheme.name,
+        "family": model.family.name,
+        "functions": len(model.module.functions),
+        "top_ops": model.module.num_ops(),
+        "bytes": output.stat().st_size,
+        "seconds": round(time.perf_counter() - started, 3),
+    }

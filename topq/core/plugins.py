@@ -1,0 +1,156 @@
+"""The plugin manager and the four registries it fills.
+
+Built-in plugins load from an explicit list; third-party plugins load from the `topq` entry-point
+group. `TOPQ_LOAD_PLUGINS` (comma-separated entry-point or distribution names; empty for none)
+restricts which third-party plugins load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Generic, TypeVar
+
+import pluggy
+
+from topq.core import hookspecs
+from topq.core.errors import TopqError, UnknownNameError
+
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "topq.plugins.formats.hf",
+    "topq.plugins.formats.gguf_file",
+    "topq.plugins.models.llama",
+    "topq.plugins.models.qwen2",
+    "topq.plugins.models.qwen3",
+    "topq.plugins.quant.float_modes",
+    "topq.plugins.targets.host",
+)
+
+#: hook name → registry kind
+HOOKS: dict[str, str] = {
+    "register_model_families": "model family",
+    "register_checkpoint_formats": "checkpoint format",
+    "register_quant_schemes": "quant scheme",
+    "register_targets": "target",
+}
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Named objects of one kind; an unknown name is an error that lists the known ones."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.items: dict[str, T] = {}
+        self.owners: dict[str, str] = {}
+
+    def register(self, item: T, owner: str = "?") -> None:
+        name = getattr(item, "name", None)
+        if not isinstance(name, str) or not name:
+            raise TopqError(f"plugin {owner}: a {self.kind} needs a non-empty string `name`")
+        if name in self.items:
+            raise TopqError(f"{self.kind} {name!r} is registered by both {self.owners[name]} and {owner}")
+        self.items[name] = item
+        self.owners[name] = owner
+
+    def get(self, name: str) -> T:
+        try:
+            return self.items[name]
+        except KeyError:
+            raise UnknownNameError(self.kind, name, self.items) from None
+
+    def names(self) -> list[str]:
+        return sorted(self.items)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.items.values())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.items
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    source: str  # "builtin" or "entry point <dist> <version>"
+    registered: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class Plugins:
+    manager: pluggy.PluginManager
+    families: Registry[Any]
+    formats: Registry[Any]
+    schemes: Registry[Any]
+    targets: Registry[Any]
+    info: list[PluginInfo]
+
+    def registry(self, hook: str) -> Registry[Any]:
+        return {
+            "register_model_families": self.families,
+            "register_checkpoint_formats": self.formats,
+            "register_quant_schemes": self.schemes,
+            "register_targets": self.targets,
+        }[hook]
+
+
+def _third_party_entry_points() -> list[tuple[metadata.EntryPoint, metadata.Distribution | None]]:
+    wanted = os.environ.get("TOPQ_LOAD_PLUGINS")
+    names = None if wanted is None else {n.strip() for n in wanted.split(",") if n.strip()}
+    found = []
+    for ep in metadata.entry_points(group="topq"):
+        dist = getattr(ep, "dist", None)
+        dist_name = dist.metadata["Name"] if dist is not None else ""
+        if names is None or ep.name in names or dist_name in names:
+            found.append((ep, dist))
+    return sorted(found, key=lambda pair: pair[0].name)
+
+
+def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
+    """Load every plugin and fill the registries (tests pass `extra` plugin objects)."""
+    manager = pluggy.PluginManager("topq")
+    manager.add_hookspecs(hookspecs)
+    info: dict[str, PluginInfo] = {}
+    for module_name in BUILTIN_PLUGINS:
+        manager.register(importlib.import_module(module_name), name=module_name)
+        info[module_name] = PluginInfo(module_name, "builtin")
+    for ep, dist in _third_party_entry_points():
+        try:
+            module = ep.load()
+        except Exception as exc:  # a broken third-party plugin must not take the tool down silently
+            raise TopqError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+        manager.register(module, name=ep.name)
+        source = f"entry point {dist.metadata['Name']} {dist.version}" if dist is not None else "entry point"
+        info[ep.name] = PluginInfo(ep.name, source)
+    for obj in extra:
+        name = manager.register(obj) or repr(obj)
+        info[name] = PluginInfo(name, "extra")
+
+    plugins = Plugins(manager, Registry("model family"), Registry("checkpoint format"),
+                      Registry("quant scheme"), Registry("target"), list(info.values()))
+    for hook, kind in HOOKS.items():
+        registry = plugins.registry(hook)
+        # Call each implementation on its own so we know which plugin registered what.
+        for impl in reversed(getattr(manager.hook, hook).get_hookimpls()):
+            owner = impl.plugin_name
+
+            def register(item: Any, owner: str = owner) -> None:
+                registry.register(item, owner)
+                info[owner].registered.setdefault(kind, []).append(item.name)
+
+            impl.function(register=register)
+    return plugins
+
+
+_PLUGINS: Plugins | None = None
+
+
+def get_plugins() -> Plugins:
+    global _PLUGINS
+    if _PLUGINS is None:
+        _PLUGINS = build_plugins()
+    return _PLUGINS

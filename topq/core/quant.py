@@ -1,0 +1,72 @@
+"""Quantization schemes: the contract between a scheme plugin, the pipeline and the targets.
+
+A scheme computes quantized *values* for each linear weight; the target decides how to store them
+(packing is a target concern). The float schemes (`f32`, `bf16`, `f16`) only choose a compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from topq.core.errors import TopqError
+
+
+@dataclass
+class QuantizedWeight:
+    """Integer codes with per-group scales and zero points: w ≈ (codes - zeros) * scales, group-wise along K.
+
+    codes: [N, K] integers in [0, 2^bits) (asymmetric) or [-2^(bits-1), 2^(bits-1)) (symmetric, zeros = 0);
+    scales / zeros: [N, K / group_size] (group_size = K for per-channel); g_idx: optional [K] group of each column.
+    """
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    bits: int
+    group_size: int
+    symmetric: bool
+    g_idx: np.ndarray | None = None
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.codes.shape
+        groups = self.g_idx if self.g_idx is not None else np.arange(k) // self.group_size
+        scales = self.scales[:, groups].astype(np.float32)
+        zeros = self.zeros[:, groups].astype(np.float32)
+        return ((self.codes.astype(np.float32) - zeros) * scales).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What a quant plugin registers.
+
+    `compute_dtype` is the activation/compute dtype (f32, bf16, f16); `weight_bits` is None for float schemes.
+    `quantize(weight, options)` returns a QuantizedWeight for a linear weight [N, K] (weight-only schemes).
+    """
+
+    name: str
+    description: str
+    compute_dtype: str = "f32"
+    weight_bits: int | None = None
+    options: tuple[str, ...] = ()
+    needs_calibration: bool = False
+    quantize: Callable[[np.ndarray, Mapping[str, Any]], QuantizedWeight] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_float(self) -> bool:
+        return self.weight_bits is None
+
+
+def round_to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as they are after storing in `dtype` (bf16/f16) and reading back."""
+    from topq.core.types import ELEMENT_TYPES
+
+    if dtype == "f32":
+        return np.asarray(array, dtype=np.float32)
+    if dtype not in ("bf16", "f16"):
+        raise TopqError(f"not a float dtype: {dtype}")
+    return np.asarray(array, dtype=np.float32).astype(ELEMENT_TYPES[dtype]).astype(np.float32)

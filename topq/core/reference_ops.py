@@ -1,0 +1,529 @@
+"""Reference semantics of every Top IR op as float32 numpy kernels.
+
+This module is the executable definition of the Top dialect: the host target (the
+reference interpreter) runs these kernels and every other target is checked against
+them. It deliberately knows nothing about the IR classes: a kernel takes its operand
+arrays and its attributes as plain Python values and returns a list of result arrays.
+
+Numerics: activations are float32; reductions accumulate in float32 (numpy's pairwise
+summation) or float64 where cancellation matters; index outputs are int32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from topq.core.errors import TopqError
+
+Kernel = Callable[[list[np.ndarray], dict[str, Any]], list[np.ndarray]]
+
+__all__ = [
+    "Kernel",
+    "REFERENCE_OPS",
+    "ROPE_MODES",
+    "erf",
+    "erfc",
+    "gelu",
+    "rope_tables",
+    "silu",
+    "softmax",
+]
+
+ROPE_MODES = ("contiguous_halves", "interleaved_pairs")
+MLP_ACTS = ("silu", "gelu", "gelu_tanh")
+
+# A softmax row whose largest score is at or below this counts as "every key masked"
+# and yields zeros: it covers -inf masks as well as the usual large-negative
+# conventions (-1e9, finfo(float32).min), which real q.k scores never reach.
+FULLY_MASKED_SCORE = -1e8
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _f32(x: Any) -> np.ndarray:
+    """View (or convert) as float32 without copying float32 input."""
+    return np.asarray(x, dtype=np.float32)
+
+
+def _arity(op: str, inputs: list[np.ndarray], lo: int, hi: int | None = None) -> None:
+    hi = lo if hi is None else hi
+    if not lo <= len(inputs) <= hi:
+        want = str(lo) if lo == hi else f"{lo}..{hi}"
+        raise TopqError(f"{op}: expected {want} operands, got {len(inputs)}")
+
+
+def _opt(inputs: list[np.ndarray], i: int) -> np.ndarray | None:
+    """Optional operand i; None when absent (short list or an explicit None)."""
+    return inputs[i] if len(inputs) > i and inputs[i] is not None else None
+
+
+def _attr(op: str, attrs: dict[str, Any], name: str) -> Any:
+    if name not in attrs:
+        raise TopqError(f"{op}: missing attribute {name!r}")
+    return attrs[name]
+
+
+def _linear(x: np.ndarray, w: np.ndarray, transpose: bool) -> np.ndarray:
+    """x[..., K] @ w (w: [K, N], or [N, K] if transpose) as one 2-D GEMM."""
+    wt = w.T if transpose else w  # a transposed view: BLAS takes it without a copy
+    lead = x.shape[:-1]
+    # Flattening the leading axes turns numpy's per-batch loop into a single sgemm.
+    y = np.matmul(x.reshape(-1, x.shape[-1]), wt)
+    return y.reshape(*lead, wt.shape[-1])
+
+
+# --------------------------------------------------------------- scalar functions
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """float32 softmax with max subtraction; a slice that is all -inf gives zeros."""
+    x = _f32(x)
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.float32(0))  # all -inf slice: avoid inf - inf
+    e = np.exp(x - m)
+    s = np.sum(e, axis=axis, keepdims=True)
+    return e / np.where(s > 0, s, np.float32(1))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x) in float32."""
+    x = _f32(x)
+    with np.errstate(over="ignore"):  # exp(-x) -> inf for x << 0 gives the right limit -0
+        return x / (np.float32(1) + np.exp(-x))
+
+
+# erf/erfc without scipy: a power series for |z| < _ERF_SPLIT and a continued fraction
+# for erfc beyond it, each truncated where the float64 error drops below 1e-12
+# (measured against mpmath): far below float32 resolution, and each term is a full
+# pass over the array, so more would only cost time.
+_ERF_SPLIT = 2.5
+_ERF_TERMS = 32
+_ERFC_DEPTH = 26
+# erf(z) = 2/sqrt(pi) * exp(-z^2) * z * sum_n a_n z^(2n),  a_n = 2^n / (1*3*...*(2n+1));
+# all terms are positive, so there is no cancellation.
+_ERF_COEFFS = np.cumprod([1.0] + [2.0 / (2 * n + 1) for n in range(1, _ERF_TERMS)])
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+
+def _erf_series(z: np.ndarray) -> np.ndarray:
+    w = z * z
+    s = np.full_like(z, _ERF_COEFFS[-1])
+    for c in _ERF_COEFFS[-2::-1]:  # Horner in z^2, in place: this loop dominates GELU
+        s *= w
+        s += c
+    np.negative(w, out=w)
+    s *= np.exp(w, out=w)
+    s *= z
+    s *= _TWO_OVER_SQRT_PI
+    return s
+
+
+def _erfc_cf(z: np.ndarray) -> np.ndarray:
+    """erfc(z) for z >= _ERF_SPLIT with full relative precision (Laplace continued fraction):
+    erfc(z) = exp(-z^2)/sqrt(pi) / (z + (1/2)/(z + 1/(z + (3/2)/(z + ...))))."""
+    f = z.copy()
+    for k in range(_ERFC_DEPTH, 0, -1):
+        np.divide(0.5 * k, f, out=f)
+        f += z
+    f *= math.sqrt(math.pi)
+    return np.exp(-z * z) / f
+
+
+def erf(x: np.ndarray) -> np.ndarray:
+    """The error function in float64 (absolute error < 1e-12)."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.empty_like(x)
+    small = np.abs(x) < _ERF_SPLIT
+    out[small] = _erf_series(x[small])
+    big = ~small
+    xb = x[big]
+    out[big] = np.sign(xb) * (1.0 - _erfc_cf(np.abs(xb)))
+    return out
+
+
+def erfc(x: np.ndarray) -> np.ndarray:
+    """1 - erf(x) in float64, with relative precision kept in the right tail."""
+    x = np.asarray(x, dtype=np.float64)
+    out = np.empty_like(x)
+    small = np.abs(x) < _ERF_SPLIT
+    out[small] = 1.0 - _erf_series(x[small])
+    right = x >= _ERF_SPLIT
+    out[right] = _erfc_cf(x[right])
+    left = x <= -_ERF_SPLIT
+    out[left] = 2.0 - _erfc_cf(-x[left])
+    return out
+
+
+def gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
+    """GELU in float32 (computed in float64). "none": x*Phi(x); "tanh": the tanh formula."""
+    x64 = np.asarray(x, dtype=np.float64)
+    if approximate == "none":
+        # 0.5*x*erfc(-x/sqrt2) instead of 0.5*x*(1+erf): no cancellation for x << 0.
+        y = 0.5 * x64 * erfc(-x64 / math.sqrt(2.0))
+    elif approximate == "tanh":
+        # sqrt(2/pi) * (x + 0.044715 x^3), in place (x**3 via np.power is slow)
+        t = x64 * x64
+        t *= 0.044715
+        t += 1.0
+        t *= x64
+        t *= math.sqrt(2.0 / math.pi)
+        np.tanh(t, out=t)
+        t += 1.0
+        y = 0.5 * x64 * t
+    else:
+        raise TopqError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return y.astype(np.float32)
+
+
+def _activation(name: str, x: np.ndarray) -> np.ndarray:
+    if name == "silu":
+        return silu(x)
+    if name == "gelu":
+        return gelu(x, "none")
+    if name == "gelu_tanh":
+        return gelu(x, "tanh")
+    raise TopqError(f"MLP: act must be one of {', '.join(MLP_ACTS)}, got {name!r}")
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_tables(
+    positions: np.ndarray, inv_freq: np.ndarray, mode: str, attention_scaling: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables [len(positions), 2*len(inv_freq)] in `mode`'s layout.
+
+    Angles are formed exactly as transformers does (float32 position * float32 inv_freq),
+    so they match bit-for-bit; cos/sin of that float32 angle are then evaluated in
+    float64 and rounded once, i.e. correctly rounded (torch may differ by 1 ulp).
+    """
+    pos = np.asarray(positions).reshape(-1).astype(np.float32)
+    inv = np.asarray(inv_freq, dtype=np.float32).reshape(-1)
+    freqs = pos[:, None] * inv[None, :]  # float32 product, as in HF
+    if mode == "contiguous_halves":
+        emb = np.concatenate([freqs, freqs], axis=-1)
+    elif mode == "interleaved_pairs":
+        emb = np.repeat(freqs, 2, axis=-1)
+    else:
+        raise TopqError(f"rope mode must be one of {', '.join(ROPE_MODES)}, got {mode!r}")
+    emb64 = emb.astype(np.float64)
+    scale = np.float32(attention_scaling)  # HF multiplies the float32 tables by it
+    cos = np.cos(emb64).astype(np.float32) * scale
+    sin = np.sin(emb64).astype(np.float32) * scale
+    return cos, sin
+
+
+def _rope(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    _arity("top.Rope", inputs, 3)
+    x, cos, sin = (_f32(a) for a in inputs)
+    mode = attrs.get("mode", "contiguous_halves")
+    if x.ndim != 4:
+        raise TopqError(f"top.Rope: x must be [B, L, H, D], got shape {x.shape}")
+    r, d = cos.shape[-1], x.shape[-1]
+    if sin.shape != cos.shape or r % 2 or r > d:
+        raise TopqError(
+            f"top.Rope: cos/sin must share a shape [.., L, R] with R even and <= D={d}; "
+            f"got {cos.shape} and {sin.shape}"
+        )
+    # [B, L, R] -> [B, L, 1, R]: the same angles for every head.
+    c, s = cos[..., None, :], sin[..., None, :]
+    out = np.empty(np.broadcast_shapes(x.shape, c.shape[:-1] + (d,)), dtype=np.float32)
+    if mode == "contiguous_halves":
+        h = r // 2
+        x1, x2 = x[..., :h], x[..., h:r]
+        # x*cos + rotate_half(x)*sin with rotate_half = (-x2, x1); a + (-b)*c == a - b*c
+        # bit-for-bit, so this matches HF's formula exactly.
+        out[..., :h] = x1 * c[..., :h] - x2 * s[..., :h]
+        out[..., h:r] = x2 * c[..., h:] + x1 * s[..., h:]
+    elif mode == "interleaved_pairs":
+        xe, xo = x[..., 0:r:2], x[..., 1:r:2]
+        out[..., 0:r:2] = xe * c[..., 0::2] - xo * s[..., 0::2]
+        out[..., 1:r:2] = xo * c[..., 1::2] + xe * s[..., 1::2]
+    else:
+        raise TopqError(f"top.Rope: mode must be one of {', '.join(ROPE_MODES)}, got {mode!r}")
+    out[..., r:] = x[..., r:]  # partial rotary: the tail passes through
+    return [out]
+
+
+# ---------------------------------------------------------------------- attention
+
+
+def _fattention(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.FAttention"
+    _arity(op, inputs, 3, 4)
+    q, k, v = (_f32(a) for a in inputs[:3])
+    mask = _opt(inputs, 3)
+    hq, hkv = int(_attr(op, attrs, "q_head")), int(_attr(op, attrs, "kv_head"))
+    scale = np.float32(_attr(op, attrs, "scale"))
+    causal = bool(attrs.get("causal", True))
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise TopqError(
+            f"{op}: want q [B,Lq,Hq,D], k/v [B,Lk,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}"
+        )
+    b, lq, _, d = q.shape
+    lk = k.shape[1]
+    if q.shape[2] != hq or k.shape[2] != hkv or hkv <= 0 or hq % hkv or k.shape[3] != d:
+        raise TopqError(
+            f"{op}: q_head={hq}, kv_head={hkv} do not fit q {q.shape} and k {k.shape}"
+        )
+    g = hq // hkv
+    # Query head h = kvh*g + j reads kv head kvh = h // g. Grouping the g query heads of a
+    # kv head next to the query axis lets one batched matmul serve the whole group
+    # without materialising repeated K/V.
+    qg = q.transpose(0, 2, 1, 3).reshape(b, hkv, g * lq, d)  # [B, Hkv, g*Lq, D]
+    kt = k.transpose(0, 2, 3, 1)  # [B, Hkv, D, Lk]
+    scores = np.matmul(qg, kt)  # [B, Hkv, g*Lq, Lk], freshly allocated
+    scores *= scale
+    scores = scores.reshape(b, hq, lq, lk)  # contiguous: a free view
+    if mask is not None:
+        try:
+            np.add(scores, _f32(mask), out=scores)
+        except ValueError as e:
+            raise TopqError(
+                f"{op}: mask {np.shape(mask)} does not broadcast to {scores.shape}"
+            ) from e
+    if causal:
+        # Bottom-right aligned: the first Lk-Lq keys are history every query may see.
+        i = np.arange(lq)[:, None]
+        j = np.arange(lk)[None, :]
+        np.copyto(scores, np.float32(-np.inf), where=j > i + (lk - lq))
+    m = scores.max(axis=-1, keepdims=True)
+    dead = m <= FULLY_MASKED_SCORE
+    m[dead] = 0  # exp(score - 0) underflows to 0 for every masked score -> zero row
+    scores -= m
+    np.exp(scores, out=scores)
+    denom = scores.sum(axis=-1, keepdims=True)
+    denom[dead] = 1  # dead rows have a zero sum; keep them zero instead of 0/0
+    scores /= denom
+    out = np.matmul(scores.reshape(b, hkv, g * lq, lk), v.transpose(0, 2, 1, 3))
+    # [B, Hkv, g*Lq, D] -> [B, Hq, Lq, D] -> [B, Lq, Hq*D]
+    out = out.reshape(b, hq, lq, d).transpose(0, 2, 1, 3).reshape(b, lq, hq * d)
+    return [out]
+
+
+# ----------------------------------------------------------------------- the rest
+
+
+def _input(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    _arity("top.Input", inputs, 1)
+    return [np.asarray(inputs[0])]  # token ids stay integer
+
+
+def _gather(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.Gather"
+    _arity(op, inputs, 2)
+    table, idx = np.asarray(inputs[0]), np.asarray(inputs[1])
+    axis = int(attrs.get("axis", 0))
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TopqError(f"{op}: indices must be integers, got {idx.dtype}")
+    n = table.shape[axis]
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise TopqError(f"{op}: index out of range [0, {n}): {idx.min()}..{idx.max()}")
+    out = np.take(table, idx, axis=axis)
+    return [out if np.issubdtype(out.dtype, np.integer) else _f32(out)]
+
+
+def _rmsnorm(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.RMSNorm"
+    _arity(op, inputs, 1, 2)
+    x = _f32(inputs[0])
+    w = _opt(inputs, 1)
+    eps = np.float32(_attr(op, attrs, "eps"))
+    ms = np.mean(np.square(x), axis=-1, keepdims=True)
+    y = x * (np.float32(1) / np.sqrt(ms + eps))
+    return [y * _f32(w) if w is not None else y]
+
+
+def _layernorm(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.LayerNorm"
+    _arity(op, inputs, 1, 3)
+    x = _f32(inputs[0])
+    w, b = _opt(inputs, 1), _opt(inputs, 2)
+    eps = np.float32(_attr(op, attrs, "eps"))
+    xc = x - np.mean(x, axis=-1, keepdims=True)
+    var = np.mean(np.square(xc), axis=-1, keepdims=True)  # biased, as torch
+    y = xc / np.sqrt(var + eps)
+    if w is not None:
+        y = y * _f32(w)
+    if b is not None:
+        y = y + _f32(b)
+    return [y]
+
+
+def _matmul(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.MatMul"
+    _arity(op, inputs, 2, 3)
+    a, b = _f32(inputs[0]), _f32(inputs[1])
+    bias = _opt(inputs, 2)
+    rt = bool(attrs.get("right_transpose", False))
+    k_b = b.shape[-1] if rt else b.shape[-2] if b.ndim >= 2 else -1
+    if a.ndim < 1 or b.ndim < 2 or a.shape[-1] != k_b:
+        raise TopqError(
+            f"{op}: cannot multiply {a.shape} by {b.shape} (right_transpose={rt})"
+        )
+    if b.ndim == 2:
+        y = _linear(a, b, rt)
+    else:
+        y = np.matmul(a, np.swapaxes(b, -1, -2) if rt else b)
+    if bias is not None:
+        y = y + _f32(bias)
+    return [y]
+
+
+def _binary(fn: Callable[..., np.ndarray], op: str) -> Kernel:
+    def kernel(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+        _arity(op, inputs, 2)
+        a, b = _f32(inputs[0]), _f32(inputs[1])
+        try:
+            return [fn(a, b)]
+        except ValueError as e:
+            raise TopqError(f"{op}: shapes {a.shape} and {b.shape} do not broadcast") from e
+
+    return kernel
+
+
+def _mulconst(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    _arity("top.MulConst", inputs, 1)
+    return [_f32(inputs[0]) * np.float32(_attr("top.MulConst", attrs, "const_val"))]
+
+
+def _reshape(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.Reshape"
+    _arity(op, inputs, 1)
+    x = np.asarray(inputs[0])
+    shape = [int(s) for s in _attr(op, attrs, "shape")]
+    try:
+        return [x.reshape(shape)]
+    except ValueError as e:
+        raise TopqError(f"{op}: cannot reshape {x.shape} to {shape}") from e
+
+
+def _permute(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.Permute"
+    _arity(op, inputs, 1)
+    x = np.asarray(inputs[0])
+    order = [int(o) for o in _attr(op, attrs, "order")]
+    if sorted(order) != list(range(x.ndim)):
+        raise TopqError(f"{op}: order {order} is not a permutation of {x.ndim} axes")
+    return [x.transpose(order)]
+
+
+def _concat(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.Concat"
+    if not inputs:
+        raise TopqError(f"{op}: needs at least one operand")
+    xs = [np.asarray(x) for x in inputs]
+    if not all(np.issubdtype(x.dtype, np.integer) for x in xs):
+        xs = [_f32(x) for x in xs]
+    try:
+        return [np.concatenate(xs, axis=int(_attr(op, attrs, "axis")))]
+    except (ValueError, np.exceptions.AxisError) as e:
+        raise TopqError(f"{op}: {e}") from e
+
+
+def _slice(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.Slice"
+    _arity(op, inputs, 1)
+    x = np.asarray(inputs[0])
+    offset, ends = _attr(op, attrs, "offset"), _attr(op, attrs, "ends")
+    steps = attrs.get("steps", [1] * x.ndim)
+    if not len(offset) == len(ends) == len(steps) == x.ndim:
+        raise TopqError(f"{op}: offset/ends/steps must each have {x.ndim} entries")
+    if any(int(s) == 0 for s in steps):
+        raise TopqError(f"{op}: steps must be non-zero, got {steps}")
+    key = tuple(slice(int(o), int(e), int(s)) for o, e, s in zip(offset, ends, steps))
+    return [x[key]]
+
+
+def _silu_op(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    _arity("top.SiLU", inputs, 1)
+    return [silu(inputs[0])]
+
+
+def _gelu_op(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    _arity("top.GELU", inputs, 1)
+    return [gelu(inputs[0], str(attrs.get("approximate", "none")))]
+
+
+def _softmax_op(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    _arity("top.Softmax", inputs, 1)
+    return [softmax(inputs[0], int(attrs.get("axis", -1)))]
+
+
+def _mlp(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.MLP"
+    _arity(op, inputs, 4)
+    x, wg, wu, wd = (_f32(a) for a in inputs)
+    hidden, inter = x.shape[-1], wg.shape[0]
+    if wg.shape != (inter, hidden) or wu.shape != wg.shape or wd.shape != (hidden, inter):
+        raise TopqError(
+            f"{op}: want w_gate/w_up [I, {hidden}] and w_down [{hidden}, I]; "
+            f"got {wg.shape}, {wu.shape}, {wd.shape}"
+        )
+    act = _activation(str(attrs.get("act", "silu")), _linear(x, wg, True))
+    act *= _linear(x, wu, True)
+    return [_linear(act, wd, True)]
+
+
+def _topk(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.TopK"
+    _arity(op, inputs, 1)
+    x = _f32(inputs[0])
+    k = int(_attr(op, attrs, "k"))
+    axis = int(attrs.get("axis", -1))
+    largest = bool(attrs.get("largest", True))
+    n = x.shape[axis]
+    if not 0 < k <= n:
+        raise TopqError(f"{op}: k={k} must be in 1..{n}")
+    key = np.moveaxis(-x if largest else x, axis, -1)  # ascending key order is the answer
+    idx = _smallest_k(key.reshape(-1, n), k).reshape(*key.shape[:-1], k)
+    idx = np.moveaxis(idx, -1, axis)
+    return [np.take_along_axis(x, idx, axis=axis), idx.astype(np.int32)]
+
+
+def _smallest_k(key: np.ndarray, k: int) -> np.ndarray:
+    """Per row of 2-D `key`: indices of the k smallest, ascending, ties by lower index."""
+    n = key.shape[1]
+    if k == n:
+        return np.argsort(key, axis=1, kind="stable")
+    # Fast path (a full sort of a 50k vocabulary per decode step is slow): partition,
+    # then order the k survivors by (value, index).
+    part = np.argpartition(key, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(key, part, axis=1)
+    order = np.lexsort((part, vals), axis=1)
+    idx = np.take_along_axis(part, order, axis=1)
+    # argpartition picks arbitrary members of a tie at the k-th value; rows where that
+    # tie is only partly taken fall back to a stable full sort, which picks lowest indices.
+    kth = np.take_along_axis(vals, order[:, -1:], axis=1)
+    partial_tie = (key == kth).sum(axis=1) != (vals == kth).sum(axis=1)
+    if partial_tie.any():
+        idx[partial_tie] = np.argsort(key[partial_tie], axis=1, kind="stable")[:, :k]
+    return idx
+
+
+REFERENCE_OPS: dict[str, Kernel] = {
+    "top.Input": _input,
+    "top.Gather": _gather,
+    "top.RMSNorm": _rmsnorm,
+    "top.LayerNorm": _layernorm,
+    "top.MatMul": _matmul,
+    "top.Add": _binary(np.add, "top.Add"),
+    "top.Mul": _binary(np.multiply, "top.Mul"),
+    "top.MulConst": _mulconst,
+    "top.Reshape": _reshape,
+    "top.Permute": _permute,
+    "top.Concat": _concat,
+    "top.Slice": _slice,
+    "top.Rope": _rope,
+    "top.FAttention": _fattention,
+    "top.MLP": _mlp,
+    "top.SiLU": _silu_op,
+    "top.GELU": _gelu_op,
+    "top.Softmax": _softmax_op,
+    "top.TopK": _topk,
+}

@@ -1,0 +1,275 @@
+"""The runtime: orchestrates a bundle's static stage functions into prompts, decoding and chat.
+
+Scenarios (DESIGN §2): prefill + decode; multi-turn chat reusing the KV cache (later turns run
+`block_kv_*` or, without it, decode steps); prompts longer than max_input_length as one prefill plus
+prefill-with-history segments; decode picks the smallest variant whose history length fits.
+The KV cache lives here as one [1, S, KVH, D] array pair per layer; `length` is how much is valid,
+so truncating the conversation is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from topq.core.bundle import Bundle
+from topq.core.errors import TopqError
+from topq.core.plugins import get_plugins
+from topq.core.target import Executor
+
+NEG_INF = np.float32(-np.inf)
+
+
+@dataclass
+class Sampling:
+    """Decoding settings. temperature 0 (or greedy=True) is greedy decoding."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    _rng: np.random.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
+            raise TopqError("sampling: need temperature ≥ 0, 0 < top_p ≤ 1, top_k ≥ 0, repetition_penalty > 0")
+        self._rng = np.random.default_rng(self.seed)
+
+    def pick(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        logits = np.asarray(logits, dtype=np.float64).copy()
+        if self.repetition_penalty != 1.0 and len(history):
+            seen = np.unique(np.asarray(history))
+            # The CTRL / transformers rule: shrink positive logits, grow negative ones.
+            vals = logits[seen]
+            logits[seen] = np.where(vals > 0, vals / self.repetition_penalty, vals * self.repetition_penalty)
+        if self.greedy or self.temperature == 0:
+            return int(np.argmax(logits))
+        logits /= self.temperature
+        if self.top_k and self.top_k < logits.size:
+            kth = np.partition(logits, -self.top_k)[-self.top_k]
+            logits[logits < kth] = -np.inf
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        if self.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = cumulative - probs[order] < self.top_p  # always keeps the most likely token
+            mask = np.zeros_like(probs, dtype=bool)
+            mask[order[keep]] = True
+            probs = np.where(mask, probs, 0.0)
+            probs /= probs.sum()
+        return int(self._rng.choice(probs.size, p=probs))
+
+
+def open_executor(bundle: Bundle) -> Executor:
+    return get_plugins().targets.get(bundle.target).open(bundle)
+
+
+class Session:
+    """One conversation with a compiled model: a KV cache and the calls that fill it."""
+
+    def __init__(self, bundle: Bundle, executor: Executor | None = None) -> None:
+        self.bundle = bundle
+        self.executor = executor if executor is not None else open_executor(bundle)
+        attrs = bundle.meta["stages"]
+        self.seq_length: int = attrs["seq_length"]
+        self.max_input_length: int = attrs["max_input_length"]
+        self.has_prefill_kv: bool = attrs["prefill_kv"]
+        self.decode_variants: list[int] = sorted(attrs["decode_variants"])
+        spec = bundle.spec
+        self.spec = spec
+        shape = (1, self.seq_length, spec.num_kv_heads, spec.head_dim)
+        self.k_cache = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        self.v_cache = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        self.tokens: list[int] = []  # what the KV cache holds
+        self.calls: list[str] = []  # functions run, for tests and inspection
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def truncate(self, length: int) -> None:
+        self.tokens = self.tokens[:length]
+
+    def _run(self, name: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        self.calls.append(name)
+        return self.executor.run(name, inputs)
+
+    # -- feeding tokens ----------------------------------------------------------------------------
+    def feed(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Append tokens to the conversation; return logits of the last one ([V]) or of all of them ([n, V])."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise TopqError("no tokens to feed")
+        if self.length + len(ids) > self.seq_length:
+            raise TopqError(f"context of {self.length + len(ids)} tokens exceeds seq_length {self.seq_length}")
+        outputs: list[np.ndarray] = []
+        pos = 0
+        while pos < len(ids):
+            if self.length == 0:
+                chunk = ids[pos:pos + self.max_input_length]
+                hidden = self._prefill(chunk)
+            elif self.has_prefill_kv:
+                chunk = ids[pos:pos + self.max_input_length]
+                hidden = self._prefill_kv(chunk)
+            else:
+                chunk = ids[pos:pos + 1]
+                hidden = self._decode_hidden(chunk[0])
+            pos += len(chunk)
+            if all_logits:
+                outputs.append(self._logits_rows(hidden, len(chunk)))
+            elif pos >= len(ids):
+                outputs.append(self._logits_rows(hidden[:, len(chunk) - 1:len(chunk)], 1))
+        logits = np.concatenate(outputs, axis=0)
+        return logits if all_logits else logits[-1]
+
+    def _logits_rows(self, hidden: np.ndarray, count: int) -> np.ndarray:
+        rows = [self._run("lm_head", [np.ascontiguousarray(hidden[:, i:i + 1])])[0][0, 0] for i in range(count)]
+        return np.stack(rows)
+
+    def _padded(self, chunk: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+        start = self.length
+        ids = np.zeros((1, length), np.int32)
+        ids[0, :len(chunk)] = chunk
+        positions = np.minimum(np.arange(start, start + length), self.seq_length - 1).astype(np.int32)[None]
+        return ids, positions
+
+    def _store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, count: int) -> None:
+        start = self.length
+        self.k_cache[layer][:, start:start + count] = k[:, :count]
+        self.v_cache[layer][:, start:start + count] = v[:, :count]
+
+    def _prefill(self, chunk: Sequence[int]) -> np.ndarray:
+        ids, positions = self._padded(chunk, self.max_input_length)
+        (hidden,) = self._run("embedding", [ids])
+        for layer in range(self.spec.num_layers):
+            hidden, k, v = self._run(f"block_{layer}", [hidden, positions])
+            self._store_kv(layer, k, v, len(chunk))
+        self.tokens.extend(chunk)
+        return hidden
+
+    def _prefill_kv(self, chunk: Sequence[int]) -> np.ndarray:
+        L, S = self.max_input_length, self.seq_length
+        ids, positions = self._padded(chunk, L)
+        mask = np.zeros((1, 1, 1, S + L), np.float32)
+        mask[..., self.length:S] = NEG_INF  # unfilled history slots; new keys are handled causally
+        (hidden,) = self._run("embedding", [ids])
+        for layer in range(self.spec.num_layers):
+            hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, mask, self.k_cache[layer],
+                                                           self.v_cache[layer]])
+            self._store_kv(layer, k, v, len(chunk))
+        self.tokens.extend(chunk)
+        return hidden
+
+    def decode_variant(self, history: int) -> int:
+        """The smallest decode variant whose history length holds `history` tokens."""
+        for variant in self.decode_variants:
+            if history <= variant:
+                return variant
+        raise TopqError(f"context of {history + 1} tokens exceeds seq_length {self.seq_length}")
+
+    def _decode_hidden(self, token: int) -> np.ndarray:
+        history = self.length
+        if history + 1 > self.seq_length:
+            raise TopqError(f"context of {history + 1} tokens exceeds seq_length {self.seq_length}")
+        variant = self.decode_variant(history)
+        suffix = "" if variant == self.seq_length else f"_{variant}"
+        ids = np.array([[token]], np.int32)
+        positions = np.array([[history]], np.int32)
+        mask = np.zeros((1, 1, 1, variant + 1), np.float32)
+        mask[..., history:variant] = NEG_INF
+        (hidden,) = self._run("embedding_cache", [ids])
+        for layer in range(self.spec.num_layers):
+            hidden, k, v = self._run(f"block_cache_{layer}{suffix}", [
+                hidden, positions, mask, self.k_cache[layer][:, :variant], self.v_cache[layer][:, :variant]])
+            self._store_kv(layer, k, v, 1)
+        self.tokens.append(token)
+        return hidden
+
+    def decode(self, token: int) -> np.ndarray:
+        """Feed one token through the decode stage; logits [V]."""
+        hidden = self._decode_hidden(token)
+        return self._logits_rows(hidden, 1)[0]
+
+    # -- generation ----------------------------------------------------------------------------------
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling | None = None,
+                 stop_ids: Sequence[int] | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """Yield (token, logits that chose it): the prompt's last logits first, then one per decode step."""
+        sampling = sampling or Sampling()
+        stop = set(self.spec.eos_token_ids if stop_ids is None else stop_ids)
+        logits = self.feed(prompt)
+        for step in range(max_new_tokens):
+            token = sampling.pick(logits, self.tokens)
+            yield token, logits
+            if token in stop or step == max_new_tokens - 1 or self.length >= self.seq_length:
+                return
+            logits = self.decode(token)
+
+
+class ChatSession:
+    """Multi-turn chat with the tokenizer's chat template. Each turn re-renders the conversation and feeds only
+    the tokens after the longest prefix the KV cache already holds, so earlier turns are never recomputed."""
+
+    def __init__(self, bundle: Bundle, system: str | None = None, executor: Executor | None = None) -> None:
+        self.session = Session(bundle, executor)
+        self.tokenizer = bundle.tokenizer
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+
+    def _render(self) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def reply_stream(self, user_text: str, max_new_tokens: int = 128,
+                     sampling: Sampling | None = None) -> Iterator[str]:
+        self.messages.append({"role": "user", "content": user_text})
+        ids = self._render()
+        cached = self.session.tokens
+        common = 0
+        while common < min(len(cached), len(ids) - 1) and cached[common] == ids[common]:
+            common += 1
+        self.session.truncate(common)
+        generated: list[int] = []
+        printed = ""
+        for token, _ in self.session.generate(ids[common:], max_new_tokens, sampling):
+            if token in self.session.spec.eos_token_ids:
+                break
+            generated.append(token)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            yield text[len(printed):]
+            printed = text
+        self.messages.append({"role": "assistant", "content": printed})
+
+    def reply(self, user_text: str, max_new_tokens: int = 128, sampling: Sampling | None = None) -> str:
+        return "".join(self.reply_stream(user_text, max_new_tokens, sampling))
+
+
+def perplexity(bundle: Bundle, ids: Sequence[int], window: int | None = None,
+               executor: Executor | None = None) -> tuple[float, int]:
+    """exp(mean negative log-likelihood) over independent windows; returns (perplexity, predicted tokens)."""
+    from tqdm import tqdm
+
+    session = Session(bundle, executor)
+    window = min(window or session.seq_length, session.seq_length)
+    if len(ids) < 2:
+        raise TopqError("need at least two tokens for perplexity")
+    total, count = 0.0, 0
+    starts = range(0, len(ids) - 1, window)
+    for start in tqdm(starts, desc="eval", unit="window", disable=len(starts) < 2):
+        chunk = list(ids[start:start + window])
+        if len(chunk) < 2:
+            break
+        session.reset()
+        logits = session.feed(chunk, all_logits=True).astype(np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        targets = np.asarray(chunk[1:])
+        total -= float(logprobs[np.arange(len(targets)), targets].sum())
+        count += len(targets)
+    return float(np.exp(total / count)), count

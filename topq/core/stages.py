@@ -1,0 +1,248 @@
+"""The stage template: one family block → prefill, prefill-with-history and decode functions.
+
+Function signatures (L = max_input_length, S = seq_length or a decode-chunk length, H hidden,
+KVH kv heads, D head dim):
+
+    embedding(ids[1,L] i32) -> hidden[1,L,H]            embedding_cache(ids[1,1]) -> hidden[1,1,H]
+    block_{i}(hidden[1,L,H], pos[1,L]) -> (hidden, k[1,L,KVH,D], v)
+    block_kv_{i}(hidden, pos, mask[1,1,1,S+L], history_k[1,S,KVH,D], history_v) -> (hidden, k, v)
+    block_cache_{i}[_{S}](hidden[1,1,H], pos[1,1], mask[1,1,1,S+1], history_k[1,S,KVH,D], history_v)
+        -> (hidden, k[1,1,KVH,D], v)
+    lm_head(hidden[1,1,H]) -> logits[1,1,V]                (the final norm is folded in here)
+
+Prefill is causal inside `top.FAttention` (no L×L mask). Prefill-with-history takes a small key mask
+over history + new keys (like decode's), because only the runtime knows how much of the static
+history buffer is filled. RoPE cos/sin are `[S, R]` weights gathered by position_ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from topq.core.builder import Builder
+from topq.core.errors import TopqError
+from topq.core.family import ModelFamily, ModelSpec
+from topq.core.ir import Module, Value
+from topq.core.reference_ops import rope_tables
+from topq.core.types import tensor
+
+ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"
+
+
+class Stage(Enum):
+    PREFILL = "prefill"
+    PREFILL_KV = "prefill_kv"
+    DECODE = "decode"
+
+    @property
+    def with_history(self) -> bool:
+        return self is not Stage.PREFILL
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    seq_length: int
+    max_input_length: int
+    prefill_kv: bool = True
+    decode_chunks: tuple[int, ...] = ()
+
+    @property
+    def decode_variants(self) -> tuple[int, ...]:
+        """History lengths with a decode function, ascending; the last is seq_length."""
+        return tuple(sorted({c for c in self.decode_chunks if 0 < c < self.seq_length} | {self.seq_length}))
+
+    @classmethod
+    def from_recipe(cls, stages: Any) -> StageConfig:
+        return cls(int(stages.seq_length), int(stages.max_input_length), bool(stages.prefill_kv),
+                   tuple(int(c) for c in stages.decode_chunks))
+
+
+def block_name(stage: Stage, layer: int, history: int = 0, seq_length: int = 0) -> str:
+    if stage is Stage.PREFILL:
+        return f"block_{layer}"
+    if stage is Stage.PREFILL_KV:
+        return f"block_kv_{layer}"
+    return f"block_cache_{layer}" if history == seq_length else f"block_cache_{layer}_{history}"
+
+
+class BlockContext:
+    """What a family's `build_block` sees: the builder, the spec, the layer's inputs and stage-aware helpers."""
+
+    def __init__(self, builder: Builder, spec: ModelSpec, family: ModelFamily, layer: int, stage: Stage,
+                 hidden: Value, cos: Value, sin: Value, shapes: Mapping[str, tuple[int, ...]],
+                 mask: Value | None = None, history_k: Value | None = None, history_v: Value | None = None) -> None:
+        self.b = builder
+        self.spec = spec
+        self.family = family
+        self.layer = layer
+        self.stage = stage
+        self.hidden = hidden
+        self.cos, self.sin = cos, sin
+        self.shapes = shapes
+        self.mask, self.history_k, self.history_v = mask, history_k, history_v
+        self.k_out: Value | None = None
+        self.v_out: Value | None = None
+
+    @property
+    def length(self) -> int:
+        return self.hidden.shape[1]
+
+    def weight_name(self, key: str) -> str:
+        try:
+            template = self.family.layer_weights[key]
+        except KeyError:
+            raise TopqError(f"family {self.family.name} has no layer weight {key!r}") from None
+        return template.format(i=self.layer)
+
+    def weight(self, key: str, shape: tuple[int, ...]) -> Value:
+        return named_weight(self.b, self.weight_name(key), shape, self.shapes)
+
+    def linear(self, x: Value, key: str, out_features: int, bias: bool = False) -> Value:
+        w = self.weight(key, (out_features, x.shape[-1]))
+        if bias:
+            name = self.weight_name(key).removesuffix(".weight") + ".bias"
+            return self.b.top.MatMul(x, w, named_weight(self.b, name, (out_features,), self.shapes),
+                                     right_transpose=True, loc=key)
+        return self.b.top.MatMul(x, w, right_transpose=True, loc=key)
+
+    def rms_norm(self, x: Value, key: str) -> Value:
+        return self.b.top.RMSNorm(x, self.weight(key, x.shape[-1:]), eps=self.spec.rms_norm_eps, loc=key)
+
+    def heads(self, x: Value, count: int) -> Value:
+        """[1, L, count*D] → [1, L, count, D]."""
+        return self.b.top.Reshape(x, shape=[x.shape[0], x.shape[1], count, self.spec.head_dim])
+
+    def rope(self, x: Value) -> Value:
+        return self.b.top.Rope(x, self.cos, self.sin, mode=self.spec.rope_mode)
+
+    def attention(self, q: Value, k: Value, v: Value) -> Value:
+        """Causal GQA attention of this stage; records k, v (post-RoPE) as the block's KV outputs."""
+        self.k_out, self.v_out = k, v
+        if self.stage.with_history:
+            k = self.b.top.Concat(self.history_k, k, axis=1, loc="history_k")
+            v = self.b.top.Concat(self.history_v, v, axis=1, loc="history_v")
+        operands = (q, k, v) if self.mask is None else (q, k, v, self.mask)
+        return self.b.top.FAttention(*operands, q_head=self.spec.num_heads, kv_head=self.spec.num_kv_heads,
+                                     scale=1.0 / math.sqrt(self.spec.head_dim), causal=True, loc="attention")
+
+    def mlp(self, x: Value, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> Value:
+        inter, hidden = self.spec.intermediate_size, self.spec.hidden_size
+        act = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(
+            self.spec.hidden_act)
+        if act is None:
+            raise TopqError(f"activation {self.spec.hidden_act!r} is not supported (silu, gelu, gelu_pytorch_tanh)")
+        return self.b.top.MLP(x, self.weight(gate, (inter, hidden)), self.weight(up, (inter, hidden)),
+                              self.weight(down, (hidden, inter)), act=act, loc="mlp")
+
+
+def named_weight(b: Builder, name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]) -> Value:
+    """A `top.Weight` checked against the checkpoint: missing or misshapen tensors are clear errors."""
+    if name not in shapes:
+        raise TopqError(f"checkpoint has no tensor {name}")
+    if tuple(shapes[name]) != tuple(shape):
+        raise TopqError(f"tensor {name} has shape {list(shapes[name])}, expected {list(shape)}")
+    return b.weight(name, tensor(*shape))
+
+
+# --------------------------------------------------------------------------------------- RoPE tables
+
+
+def rope_inv_freq(spec: ModelSpec) -> tuple[np.ndarray, float]:
+    """inv_freq and attention scaling for the spec's rope type (default, linear, llama3), as transformers computes them."""
+    dim = spec.rope_dim
+    inv_freq = 1.0 / (np.float32(spec.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv_freq = inv_freq.astype(np.float32)
+    scaling = spec.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32), 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    raise TopqError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rope_weights(spec: ModelSpec, seq_length: int) -> dict[str, np.ndarray]:
+    inv_freq, attention_scaling = rope_inv_freq(spec)
+    cos, sin = rope_tables(np.arange(seq_length), inv_freq, spec.rope_mode, attention_scaling)
+    return {ROPE_COS: cos, ROPE_SIN: sin}
+
+
+# --------------------------------------------------------------------------------------- the program
+
+
+def build_program(spec: ModelSpec, family: ModelFamily, config: StageConfig,
+                  shapes: Mapping[str, tuple[int, ...]]) -> Module:
+    """Every function of the model for these stages, from the family's one block builder.
+
+    `shapes` maps checkpoint tensor names to their shapes (plus the RoPE tables this function adds).
+    """
+    if config.max_input_length > config.seq_length:
+        raise TopqError("stages.max_input_length must not exceed stages.seq_length")
+    S, L, H = config.seq_length, config.max_input_length, spec.hidden_size
+    shapes = dict(shapes)
+    shapes[ROPE_COS] = shapes[ROPE_SIN] = (S, spec.rope_dim)
+    b = Builder()
+    b.module.attrs = {
+        "topq.seq_length": S,
+        "topq.max_input_length": L,
+        "topq.prefill_kv": config.prefill_kv,
+        "topq.decode_variants": list(config.decode_variants),
+        "topq.num_layers": spec.num_layers,
+    }
+    embed = family.global_weights["embed"]
+    for name, length in (("embedding", L), ("embedding_cache", 1)):
+        with b.function(name, tensor(1, length, dtype="i32")) as f:
+            table = named_weight(b, embed, (spec.vocab_size, H), shapes)
+            f.returns(b.top.Gather(table, f.args[0], axis=0, loc="embed"))
+
+    for layer in range(spec.num_layers):
+        _build_block_function(b, spec, family, Stage.PREFILL, layer, L, 0, shapes, S)
+        if config.prefill_kv:
+            _build_block_function(b, spec, family, Stage.PREFILL_KV, layer, L, S, shapes, S)
+        for history in config.decode_variants:
+            _build_block_function(b, spec, family, Stage.DECODE, layer, 1, history, shapes, S)
+
+    with b.function("lm_head", tensor(1, 1, H)) as f:
+        norm = named_weight(b, family.global_weights["final_norm"], (H,), shapes)
+        h = b.top.RMSNorm(f.args[0], norm, eps=spec.rms_norm_eps, loc="final_norm")
+        head = family.global_weights["embed"] if spec.tie_word_embeddings else family.global_weights["lm_head"]
+        f.returns(b.top.MatMul(h, named_weight(b, head, (spec.vocab_size, H), shapes), right_transpose=True,
+                               loc="lm_head"))
+    return b.module
+
+
+def _build_block_function(b: Builder, spec: ModelSpec, family: ModelFamily, stage: Stage, layer: int,
+                          length: int, history: int, shapes: Mapping[str, tuple[int, ...]], seq_length: int) -> None:
+    H, KVH, D = spec.hidden_size, spec.num_kv_heads, spec.head_dim
+    inputs = [tensor(1, length, H), tensor(1, length, dtype="i32")]
+    if stage.with_history:
+        inputs += [tensor(1, 1, 1, history + length), tensor(1, history, KVH, D), tensor(1, history, KVH, D)]
+    name = block_name(stage, layer, history, seq_length)
+    with b.function(name, *inputs, attrs={"stage": stage.value, "layer": layer}) as f, b.scope(f"layers.{layer}."):
+        hidden, positions, *rest = f.args
+        R = spec.rope_dim
+        cos = b.top.Gather(b.weight(ROPE_COS, tensor(seq_length, R)), positions, axis=0, loc="rope_cos")
+        sin = b.top.Gather(b.weight(ROPE_SIN, tensor(seq_length, R)), positions, axis=0, loc="rope_sin")
+        mask, history_k, history_v = rest if rest else (None, None, None)
+        ctx = BlockContext(b, spec, family, layer, stage, hidden, cos, sin, shapes, mask, history_k, history_v)
+        out = family.build_block(ctx)
+        if ctx.k_out is None or ctx.v_out is None:
+            raise TopqError(f"family {family.name}: build_block never called ctx.attention")
+        f.returns(out, ctx.k_out, ctx.v_out)

@@ -1,0 +1,55 @@
+"""Targets: the contract between a target plugin, the pipeline (compile) and the runtime (execute)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from topq.core.bundle import Bundle
+    from topq.core.family import ModelSpec
+    from topq.core.ir import Module
+    from topq.core.quant import QuantScheme
+
+
+@dataclass
+class CompileJob:
+    """Everything a target needs to compile a model: the Top program, its weights and the recipe's choices."""
+
+    module: Module
+    spec: ModelSpec
+    weights: Callable[[str], np.ndarray]  # float32 tensor by name (checkpoint + RoPE tables)
+    scheme: QuantScheme
+    quant_options: Mapping[str, Any]
+    recipe: Mapping[str, Any]
+    linear_weights: frozenset[str] = frozenset()  # names of weights used as a MatMul's right operand
+
+
+@dataclass
+class CompiledModel:
+    """What a target hands to the bundle writer."""
+
+    program: str  # the target-level program text (MLIR generic form)
+    tensors: Iterator[tuple[str, np.ndarray]] | Mapping[str, np.ndarray]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    """Runs one function of a loaded bundle: the runtime's only view of a target."""
+
+    def run(self, name: str, inputs: list[np.ndarray]) -> list[np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a target plugin registers."""
+
+    name: str
+    description: str
+    compile: Callable[[CompileJob], CompiledModel]
+    open: Callable[[Bundle], Executor]
+    schemes: tuple[str, ...] = ()  # quant schemes it can run; empty = all float schemes only
+    perf: Callable[..., Any] | None = None

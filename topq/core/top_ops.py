@@ -1,0 +1,191 @@
+"""The Top dialect: the LLM subset of TPU-MLIR's Top ops, declared as data with shape inference.
+
+Semantics (the interpreter's kernels in `reference_ops.py` are their definition):
+weights are in Hugging Face Linear layout `[out, in]` and used with `right_transpose = true`;
+`top.FAttention` takes q `[B, Lq, Hq, D]`, k/v `[B, Lk, Hkv, D]`, an optional additive mask broadcast to
+`[B, Hq, Lq, Lk]`, is causal bottom-right aligned (the first `Lk - Lq` keys are history) and returns
+`[B, Lq, Hq * D]`; `top.Rope` takes x `[B, L, H, D]` and cos/sin `[B, L, R]` (R ≤ D).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from topq.core.catalogue import AttrSpec, InferError, define
+from topq.core.types import TensorType, Type
+
+A = AttrSpec
+
+
+def _tensors(types: Sequence[Type]) -> list[TensorType]:
+    for t in types:
+        if not isinstance(t, TensorType):
+            raise InferError(f"expected tensor operands, got {t}")
+    return list(types)  # type: ignore[arg-type]
+
+
+def broadcast_shapes(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(np.broadcast_shapes(a, b))
+    except ValueError:
+        raise InferError(f"shapes {list(a)} and {list(b)} do not broadcast") from None
+
+
+def _same(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    return [_tensors(types)[0]]
+
+
+def _elementwise(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    a, b = _tensors(types)
+    return [a.with_shape(broadcast_shapes(a.shape, b.shape))]
+
+
+def _gather(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    table, index = _tensors(types)
+    axis = attrs["axis"] % max(table.rank, 1)
+    if index.dtype not in ("i32", "i64", "i16"):
+        raise InferError(f"indices must be integers, got {index.dtype}")
+    return [table.with_shape(table.shape[:axis] + index.shape + table.shape[axis + 1 :])]
+
+
+def _norm(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, *params = _tensors(types)
+    for p in params:
+        if p.shape != x.shape[-1:]:
+            raise InferError(f"norm parameter of shape {list(p.shape)} does not match the last dim {x.shape[-1]}")
+    return [x]
+
+
+def _matmul(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    a, b, *bias = _tensors(types)
+    if a.rank < 1 or b.rank < 2:
+        raise InferError("MatMul needs a of rank ≥ 1 and b of rank ≥ 2")
+    k, n = (b.shape[-1], b.shape[-2]) if attrs["right_transpose"] else (b.shape[-2], b.shape[-1])
+    if a.shape[-1] != k:
+        raise InferError(f"contracting dims differ: a has {a.shape[-1]}, b has {k}")
+    if b.rank == 2:
+        shape = a.shape[:-1] + (n,)
+    else:
+        batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        shape = batch + (a.shape[-2], n)
+    if bias and bias[0].shape[-1:] != (n,):
+        raise InferError(f"bias of shape {list(bias[0].shape)} does not match N = {n}")
+    return [a.with_shape(shape)]
+
+
+def _reshape(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    (x,) = _tensors(types)
+    shape = list(attrs["shape"])
+    if shape.count(-1) > 1:
+        raise InferError("at most one -1 in a reshape")
+    known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+    if -1 in shape:
+        if known == 0 or x.numel % known:
+            raise InferError(f"cannot reshape {list(x.shape)} to {shape}")
+        shape[shape.index(-1)] = x.numel // known
+    if int(np.prod(shape, dtype=np.int64)) != x.numel:
+        raise InferError(f"cannot reshape {list(x.shape)} ({x.numel} elements) to {shape}")
+    return [x.with_shape(tuple(shape))]
+
+
+def _permute(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    (x,) = _tensors(types)
+    order = attrs["order"]
+    if sorted(order) != list(range(x.rank)):
+        raise InferError(f"order {order} is not a permutation of {x.rank} axes")
+    return [x.with_shape(tuple(x.shape[i] for i in order))]
+
+
+def _concat(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    xs = _tensors(types)
+    axis = attrs["axis"] % xs[0].rank
+    for x in xs[1:]:
+        if x.rank != xs[0].rank or any(x.shape[i] != xs[0].shape[i] for i in range(x.rank) if i != axis):
+            raise InferError(f"cannot concat {list(xs[0].shape)} and {list(x.shape)} on axis {axis}")
+        if x.dtype != xs[0].dtype:
+            raise InferError(f"cannot concat {xs[0].dtype} and {x.dtype}")
+    return [xs[0].with_shape(xs[0].shape[:axis] + (sum(x.shape[axis] for x in xs),) + xs[0].shape[axis + 1 :])]
+
+
+def _slice(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    (x,) = _tensors(types)
+    offset, ends, steps = attrs["offset"], attrs["ends"], attrs["steps"]
+    if not len(offset) == len(ends) == len(steps) == x.rank:
+        raise InferError(f"offset/ends/steps need {x.rank} entries each")
+    if any(s <= 0 for s in steps):
+        raise InferError("slice steps must be positive")
+    shape = tuple(len(range(*slice(o, e, s).indices(d))) for o, e, s, d in zip(offset, ends, steps, x.shape))
+    return [x.with_shape(shape)]
+
+
+def _rope(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, cos, sin = _tensors(types)
+    if x.rank != 4 or cos.rank != 3 or cos.shape != sin.shape:
+        raise InferError("Rope takes x [B, L, H, D] and cos/sin [B, L, R]")
+    if cos.shape[:2] != x.shape[:2] or cos.shape[2] > x.shape[3] or cos.shape[2] % 2:
+        raise InferError(f"cos/sin {list(cos.shape)} do not fit x {list(x.shape)}")
+    return [x]
+
+
+def _fattention(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    q, k, v, *mask = _tensors(types)
+    if q.rank != 4 or k.rank != 4 or k.shape != v.shape:
+        raise InferError("FAttention takes q [B, Lq, Hq, D] and k, v [B, Lk, Hkv, D]")
+    hq, hkv = attrs["q_head"], attrs["kv_head"]
+    if q.shape[2] != hq or k.shape[2] != hkv or hq % hkv:
+        raise InferError(f"heads do not match q_head={hq}, kv_head={hkv}: q {list(q.shape)}, k {list(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise InferError(f"q {list(q.shape)} and k {list(k.shape)} differ in batch or head dim")
+    if k.shape[1] < q.shape[1]:
+        raise InferError("FAttention needs at least as many keys as queries")
+    if mask:
+        broadcast_shapes(mask[0].shape, (q.shape[0], hq, q.shape[1], k.shape[1]))
+    return [q.with_shape((q.shape[0], q.shape[1], hq * q.shape[3]))]
+
+
+def _mlp(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, gate, up, down = _tensors(types)
+    h = x.shape[-1]
+    if gate.shape != up.shape or gate.shape[1] != h or down.shape != (h, gate.shape[0]):
+        raise InferError(
+            f"MLP weights gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} do not fit hidden {h}"
+        )
+    return [x]
+
+
+def _topk(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    (x,) = _tensors(types)
+    axis = attrs["axis"] % x.rank
+    if not 0 < attrs["k"] <= x.shape[axis]:
+        raise InferError(f"k = {attrs['k']} is out of range for axis of size {x.shape[axis]}")
+    shape = x.shape[:axis] + (attrs["k"],) + x.shape[axis + 1 :]
+    return [x.with_shape(shape), TensorType(shape, "i32")]
+
+
+define("top.Input", 1, infer=_same, doc="marks a function input")
+define("top.Weight", 0, attrs={"name": A("str")}, doc="a named tensor of the weight store (type given by the IR)")
+define("top.Gather", 2, attrs={"axis": A("int", 0)}, infer=_gather)
+define("top.RMSNorm", (1, 2), attrs={"eps": A("float", 1e-6)}, infer=_norm)
+define("top.LayerNorm", (1, 3), attrs={"eps": A("float", 1e-5)}, infer=_norm)
+define("top.MatMul", (2, 3), attrs={"right_transpose": A("bool", False)}, infer=_matmul)
+define("top.Add", 2, infer=_elementwise)
+define("top.Mul", 2, infer=_elementwise)
+define("top.MulConst", 1, attrs={"const_val": A("float")}, infer=_same)
+define("top.Reshape", 1, attrs={"shape": A("ints")}, infer=_reshape)
+define("top.Permute", 1, attrs={"order": A("ints")}, infer=_permute)
+define("top.Concat", (1, None), attrs={"axis": A("int")}, infer=_concat)
+define("top.Slice", 1, attrs={"offset": A("ints"), "ends": A("ints"), "steps": A("ints")}, infer=_slice)
+define("top.Rope", 3, attrs={"mode": A("str", "contiguous_halves", ("contiguous_halves", "interleaved_pairs"))},
+       infer=_rope)
+define("top.FAttention", (3, 4),
+       attrs={"q_head": A("int"), "kv_head": A("int"), "scale": A("float"), "causal": A("bool", True)},
+       infer=_fattention)
+define("top.MLP", 4, attrs={"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))}, infer=_mlp)
+define("top.SiLU", 1, infer=_same)
+define("top.GELU", 1, attrs={"approximate": A("str", "none", ("none", "tanh"))}, infer=_same)
+define("top.Softmax", 1, attrs={"axis": A("int", -1)}, infer=_same)
+define("top.TopK", 1, results=2, attrs={"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)},
+       infer=_topk)

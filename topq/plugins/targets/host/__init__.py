@@ -1,0 +1,58 @@
+"""The host target: the reference interpreter in float32. It is the golden reference for other targets.
+
+Weights are stored as float32 after the scheme's rounding (bf16/f16 storage, or dequantized integer
+weights), so a host bundle shows the numerical effect of a scheme without a chip's arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import topq
+from topq.core.bundle import Bundle
+from topq.core.interpreter import Interpreter
+from topq.core.parser import parse_module
+from topq.core.printer import print_module
+from topq.core.quant import round_to_dtype
+from topq.core.target import CompiledModel, CompileJob, Target
+
+
+def weight_names(module) -> list[str]:  # type: ignore[no-untyped-def]
+    names: dict[str, None] = {}
+    for function in module:
+        for op in function.walk():
+            if op.name == "top.Weight":
+                names[op.attrs["name"]] = None
+    return list(names)
+
+
+def compile_host(job: CompileJob) -> CompiledModel:
+    scheme = job.scheme
+
+    def tensors():  # type: ignore[no-untyped-def]
+        for name in weight_names(job.module):
+            array = job.weights(name)
+            if name in job.linear_weights and scheme.quantize is not None:
+                array = scheme.quantize(array, job.quant_options).dequantize()
+            yield name, round_to_dtype(array, scheme.compute_dtype)
+
+    return CompiledModel(program=print_module(job.module), tensors=tensors())
+
+
+class HostExecutor(Interpreter):
+    def __init__(self, bundle: Bundle) -> None:
+        module = parse_module(bundle.program, source=f"{bundle.path}:program")
+        super().__init__(module, lambda name: np.asarray(bundle.tensor(name), dtype=np.float32))
+
+
+TARGET = Target(
+    name="host",
+    description="reference interpreter, float32 numpy (golden reference)",
+    compile=compile_host,
+    open=HostExecutor,
+)
+
+
+@topq.hookimpl
+def register_targets(register) -> None:  # type: ignore[no-untyped-def]
+    register(TARGET)

@@ -373,3 +373,13 @@ def test_every_top_op_is_documented_in_ir_md() -> None:
     assert not undocumented, f"docs/ir.md has no op-table row for {undocumented}; regenerate: python -m tests.ir_gen --op-table"
     stale = [row for row in op_table_rows() if row not in docs]
     assert not stale, "docs/ir.md op table is out of date; regenerate: python -m tests.ir_gen --op-table\n" + "\n".join(stale)
+
+
+def test_ir_md_examples_parse_and_verify() -> None:
+    docs = (REPO / "docs" / "ir.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```mlir\n(.*?)```", docs, flags=re.S)
+    assert blocks, "docs/ir.md should show the textual form in an ```mlir block"
+    for block in blocks:
+        module = parse_module(block, "docs/ir.md")
+        verify_module(module)
+        assert print_module(parse_module(print_module(module))) == print_module(module)

@@ -65,14 +65,14 @@ class Bundle:
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise TopqError(f"{self.path}: bundle format version {version} is newer than this topq "
                             f"supports ({FORMAT_VERSION}); upgrade topq")
-        if set(self.meta["checksums"]) != set(self.file.tensors):
+        if set(self.meta["checksums"]) != set(self.file.names()):
             raise TopqError(f"{self.path}: damaged bundle (tensor list does not match its checksums)")
         if verify:
             self.verify()
 
     def verify(self) -> None:
         for name, digest in self.meta["checksums"].items():
-            if _tensor_digest(self.file.get(name)) != digest:
+            if _tensor_digest(self.file.get_raw(name)) != digest:
                 raise TopqError(f"{self.path}: damaged bundle (checksum mismatch in tensor {name})")
 
     @property
@@ -92,9 +92,9 @@ class Bundle:
         return dict(self.meta["recipe"])
 
     def tensor(self, name: str) -> np.ndarray:
-        if name not in self.file.tensors:
+        if name not in self.file:
             raise TopqError(f"{self.path}: bundle has no tensor {name}")
-        return self.file.get(name)
+        return self.file.get_raw(name)
 
     def tensor_names(self) -> list[str]:
         return self.file.names()

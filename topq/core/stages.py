@@ -75,7 +75,7 @@ class BlockContext:
     """What a family's `build_block` sees: the builder, the spec, the layer's inputs and stage-aware helpers."""
 
     def __init__(self, builder: Builder, spec: ModelSpec, family: ModelFamily, layer: int, stage: Stage,
-                 hidden: Value, cos: Value, sin: Value, shapes: Mapping[str, tuple[int, ...]],
+                 hidden: Value, cos: Value, sin: Value, shapes: Mapping[str, tuple[int, ...]] | None,
                  mask: Value | None = None, history_k: Value | None = None, history_v: Value | None = None) -> None:
         self.b = builder
         self.spec = spec
@@ -141,8 +141,12 @@ class BlockContext:
                               self.weight(down, (hidden, inter)), act=act, loc="mlp")
 
 
-def named_weight(b: Builder, name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]) -> Value:
-    """A `top.Weight` checked against the checkpoint: missing or misshapen tensors are clear errors."""
+def named_weight(b: Builder, name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]] | None) -> Value:
+    """A `top.Weight` checked against the checkpoint: missing or misshapen tensors are clear errors.
+
+    `shapes` None builds from the config alone (performance prediction without weights)."""
+    if shapes is None:
+        return b.weight(name, tensor(*shape))
     if name not in shapes:
         raise TopqError(f"checkpoint has no tensor {name}")
     if tuple(shapes[name]) != tuple(shape):
@@ -188,16 +192,17 @@ def rope_weights(spec: ModelSpec, seq_length: int) -> dict[str, np.ndarray]:
 
 
 def build_program(spec: ModelSpec, family: ModelFamily, config: StageConfig,
-                  shapes: Mapping[str, tuple[int, ...]]) -> Module:
+                  shapes: Mapping[str, tuple[int, ...]] | None = None) -> Module:
     """Every function of the model for these stages, from the family's one block builder.
 
-    `shapes` maps checkpoint tensor names to their shapes (plus the RoPE tables this function adds).
+    `shapes` maps checkpoint tensor names to their shapes, checked as the graph is built; None trusts the
+    spec (a config-only build for performance prediction).
     """
     if config.max_input_length > config.seq_length:
         raise TopqError("stages.max_input_length must not exceed stages.seq_length")
     S, L, H = config.seq_length, config.max_input_length, spec.hidden_size
-    shapes = dict(shapes)
-    shapes[ROPE_COS] = shapes[ROPE_SIN] = (S, spec.rope_dim)
+    if shapes is not None:
+        shapes = {**shapes, ROPE_COS: (S, spec.rope_dim), ROPE_SIN: (S, spec.rope_dim)}
     b = Builder()
     b.module.attrs = {
         "topq.seq_length": S,
@@ -229,7 +234,7 @@ def build_program(spec: ModelSpec, family: ModelFamily, config: StageConfig,
 
 
 def _build_block_function(b: Builder, spec: ModelSpec, family: ModelFamily, stage: Stage, layer: int,
-                          length: int, history: int, shapes: Mapping[str, tuple[int, ...]], seq_length: int) -> None:
+                          length: int, history: int, shapes: Mapping[str, tuple[int, ...]] | None, seq_length: int) -> None:
     H, KVH, D = spec.hidden_size, spec.num_kv_heads, spec.head_dim
     inputs = [tensor(1, length, H), tensor(1, length, dtype="i32")]
     if stage.with_history:

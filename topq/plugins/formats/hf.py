@@ -7,17 +7,13 @@ or damaged download must fail with the file's name, not later with a confusing s
 
 from __future__ import annotations
 
-import topq
-
 import json
-import math
-import struct
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+import topq
 from topq.core.checkpoint import (
     Checkpoint,
     CheckpointFormat,
@@ -25,126 +21,11 @@ from topq.core.checkpoint import (
     tokenizer_files_of,
 )
 from topq.core.errors import TopqError
+from topq.core.safetensors_io import SafetensorsFile
 
-__all__ = ["FORMAT", "SafetensorsFile", "SafetensorsStore", "detect", "open_checkpoint"]
+__all__ = ["FORMAT", "SafetensorsStore", "detect", "open_checkpoint"]
 
-# Safetensors dtype tag -> numpy dtype (little-endian, as the format prescribes).
-_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"),
-    "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"),
-    "U32": np.dtype("<u4"),
-    "U16": np.dtype("<u2"),
-    "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
-}
-_MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's limit; guards against garbage lengths
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-class SafetensorsFile:
-    """One validated .safetensors file, memory-mapped read-only."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.metadata: dict[str, str] = {}
-        # name -> (dtype, shape, absolute byte offset); insertion order is file order.
-        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
-        self._mm: np.memmap | None = None
-        self._validate()
-
-    def _bad(self, why: str) -> TopqError:
-        return TopqError(f"{self.path}: damaged safetensors file ({why})")
-
-    def _validate(self) -> None:
-        try:
-            size = self.path.stat().st_size
-            with self.path.open("rb") as fh:
-                head = fh.read(8)
-                if len(head) < 8:
-                    raise self._bad("shorter than its 8-byte header length")
-                (hlen,) = struct.unpack("<Q", head)
-                if hlen > _MAX_HEADER or 8 + hlen > size:
-                    raise self._bad(f"header length {hlen} does not fit in {size} bytes")
-                raw = fh.read(hlen)
-        except OSError as exc:
-            raise TopqError(f"{self.path}: cannot read ({exc.strerror or exc})") from exc
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._bad(f"header is not valid JSON: {exc}") from exc
-        if not isinstance(header, dict):
-            raise self._bad("header is not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict):
-            raise self._bad("__metadata__ is not an object")
-        self.metadata = {str(k): str(v) for k, v in meta.items()}
-
-        data_start = 8 + hlen
-        data_len = size - data_start
-        ranges: list[tuple[int, int, str]] = []
-        for name, info in header.items():
-            dtype, shape, begin, end = self._parse_entry(name, info)
-            nbytes = math.prod(shape) * dtype.itemsize
-            if end - begin != nbytes:
-                raise self._bad(f"tensor {name!r}: {end - begin} bytes for {shape} x {dtype.name}")
-            if end > data_len:
-                raise self._bad(f"tensor {name!r} ends at byte {end} but the data has {data_len} (truncated?)")
-            ranges.append((begin, end, name))
-            self._entries[name] = (dtype, shape, data_start + begin)
-        # The format requires the tensors to tile the data buffer exactly: no overlaps, no holes.
-        pos = 0
-        for begin, end, name in sorted(ranges):
-            if begin != pos:
-                raise self._bad(f"tensor {name!r} starts at {begin}, expected {pos} (overlap or hole)")
-            pos = end
-        if pos != data_len:
-            raise self._bad(f"file is {size} bytes, expected {data_start + pos}")
-
-    def _parse_entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
-        if not isinstance(info, dict):
-            raise self._bad(f"tensor {name!r}: entry is not an object")
-        tag, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if tag not in _DTYPES:
-            raise self._bad(f"tensor {name!r}: unsupported dtype {tag!r}")
-        ok_shape = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-        ok_offsets = (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-        )
-        if not (ok_shape and ok_offsets):
-            raise self._bad(f"tensor {name!r}: bad shape or data_offsets")
-        return _DTYPES[tag], tuple(shape), offsets[0], offsets[1]
-
-    def names(self) -> list[str]:
-        return list(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name][1]
-
-    def dtype(self, name: str) -> str:
-        return self._entries[name][0].name
-
-    def get_raw(self, name: str) -> np.ndarray:
-        dtype, shape, offset = self._entries[name]
-        if math.prod(shape) == 0:
-            return np.zeros(shape, dtype)
-        if self._mm is None:  # mapped on first read: opening many shards stays cheap
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        return np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=offset)
 
 
 class SafetensorsStore:

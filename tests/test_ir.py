@@ -383,3 +383,23 @@ def test_ir_md_examples_parse_and_verify() -> None:
         module = parse_module(block, "docs/ir.md")
         verify_module(module)
         assert print_module(parse_module(print_module(module))) == print_module(module)
+
+
+# Printer outputs that did not parse back when these tests were written (print → parse must always work).
+PRINTER_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "attribute name with a space": ("f", {"a b": 1}),
+    "nested dict key with a dash": ("f", {"x": {"a-b": 1}}),
+    "non-finite float in an array": ("f", {"x": [math.inf, 1.0]}),
+    "function name with a dash": ("block-0", {}),
+}
+
+
+@pytest.mark.parametrize(("name", "attrs"), list(PRINTER_CASES.values()), ids=list(PRINTER_CASES))
+def test_printed_text_always_parses_back(name: str, attrs: dict[str, Any]) -> None:
+    b = Builder()
+    with b.function(name, tensor(2), attrs=attrs) as f:
+        f.returns(b.top.SiLU(f.args[0]))
+    text = print_module(b.module)
+    parsed = parse_module(text)
+    assert same_attr(parsed[name].attrs, attrs)
+    assert print_module(parsed) == text

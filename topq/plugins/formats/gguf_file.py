@@ -220,10 +220,12 @@ def _entries(reader: Any, config: dict[str, Any], arch: str, path: Path) -> dict
 def _tokenizer_files(path: Path, reader: Any) -> dict[str, str]:
     if "tokenizer.ggml.model" not in reader.fields:
         return {}
-    from transformers import AutoTokenizer
+    # AutoTokenizer would re-read the whole GGUF through transformers' config path (~10 s) only to pick
+    # this same fast-tokenizer class; asking for the class directly converts the vocabulary alone.
+    from transformers import TokenizersBackend
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:  # transformers' conversion raises many kinds
         raise TopqError(f"{path}: cannot convert the GGUF tokenizer ({type(exc).__name__}: {exc})") from exc
     return tokenizer_files_of(tokenizer)

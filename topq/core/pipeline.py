@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.ir import Module
 from topq.core.plugins import Plugins, get_plugins
 from topq.core.printer import print_function
+from topq.core.quant import QuantizedWeight
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.core.target import CompileJob
@@ -80,6 +83,40 @@ def linear_weight_names(module: Module) -> frozenset[str]:
     return frozenset(names)
 
 
+def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins,
+                   linear_names: frozenset[str]) -> Callable[[str], QuantizedWeight | None]:
+    """Decide, per weight, the quantized values a target should pack (None = keep it in the compute dtype).
+
+    Linears follow the scheme (calibrated solvers first, then round-to-nearest, or the checkpoint's own values for
+    `auto`). The lm_head (or the tied embedding used as lm_head) follows `quant.lm_head`: a float mode keeps it
+    unquantized; a weight-only scheme name quantizes it with that scheme.
+    """
+    scheme = plugins.schemes.get(recipe.quant.scheme)
+    options = recipe.to_dict()["quant"]
+    lm_head_name = model.family.global_weights["embed" if model.spec.tie_word_embeddings else "lm_head"]
+    lm_head_scheme = plugins.schemes.get(recipe.quant.lm_head)
+    precomputed = scheme.calibrate(model, recipe) if scheme.calibrate is not None else {}
+    from_checkpoint = getattr(model.checkpoint.weights, "quantized", None)
+
+    @functools.cache
+    def quantized(name: str) -> QuantizedWeight | None:
+        if name not in linear_names:
+            return None
+        if name == lm_head_name:
+            if lm_head_scheme.quantize is None:
+                return None
+            return lm_head_scheme.quantize(model.weight(name), options)
+        if name in precomputed:
+            return precomputed[name]
+        if scheme.name == "auto" and from_checkpoint is not None:
+            return from_checkpoint(name)
+        if scheme.quantize is not None:
+            return scheme.quantize(model.weight(name), options)
+        return None
+
+    return quantized
+
+
 def dump_ir(directory: Path, dialect: str, module_text: str | Module) -> None:
     """One .mlir file per function under DIRECTORY/DIALECT/."""
     from topq.core.parser import parse_module
@@ -106,9 +143,10 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), "top", model.module)
     quant_options = recipe.to_dict()["quant"]
+    linear_names = linear_weight_names(model.module)
     job = CompileJob(module=model.module, spec=model.spec, weights=model.weight, scheme=scheme,
-                     quant_options=quant_options, recipe=recipe.to_dict(),
-                     linear_weights=linear_weight_names(model.module))
+                     quant_options=quant_options, recipe=recipe.to_dict(), linear_weights=linear_names,
+                     quantized=make_quantizer(model, recipe, plugins, linear_names))
     compiled = target.compile(job)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), target.name, compiled.program)

@@ -44,7 +44,9 @@ class QuantScheme:
     """What a quant plugin registers.
 
     `compute_dtype` is the activation/compute dtype (f32, bf16, f16); `weight_bits` is None for float schemes.
-    `quantize(weight, options)` returns a QuantizedWeight for a linear weight [N, K] (weight-only schemes).
+    `quantize(weight, options)` returns a QuantizedWeight for one linear weight [N, K] (round-to-nearest schemes).
+    `calibrate(model, recipe)` (schemes that need data: GPTQ, AWQ, AutoRound, INT8) runs the float model on the
+    recipe's calibration data and returns {weight name: QuantizedWeight} plus anything it wants in the bundle.
     """
 
     name: str
@@ -54,6 +56,7 @@ class QuantScheme:
     options: tuple[str, ...] = ()
     needs_calibration: bool = False
     quantize: Callable[[np.ndarray, Mapping[str, Any]], QuantizedWeight] | None = None
+    calibrate: Callable[[Any, Any], Mapping[str, QuantizedWeight]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

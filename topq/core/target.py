@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from topq.core.bundle import Bundle
     from topq.core.family import ModelSpec
     from topq.core.ir import Module
-    from topq.core.quant import QuantScheme
+    from topq.core.quant import QuantizedWeight, QuantScheme
 
 
 @dataclass
@@ -26,6 +26,9 @@ class CompileJob:
     quant_options: Mapping[str, Any]
     recipe: Mapping[str, Any]
     linear_weights: frozenset[str] = frozenset()  # names of weights used as a MatMul's right operand
+    #: the scheme's values for a weight-quantized linear (None: keep it in the compute dtype). The pipeline
+    #: decides (scheme, quant.lm_head, pre-quantized checkpoints); targets only pack what it returns.
+    quantized: Callable[[str], QuantizedWeight | None] = lambda name: None
 
 
 @dataclass

@@ -27,14 +27,11 @@ def weight_names(module) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 def compile_host(job: CompileJob) -> CompiledModel:
-    scheme = job.scheme
-
     def tensors():  # type: ignore[no-untyped-def]
         for name in weight_names(job.module):
-            array = job.weights(name)
-            if name in job.linear_weights and scheme.quantize is not None:
-                array = scheme.quantize(array, job.quant_options).dequantize()
-            yield name, round_to_dtype(array, scheme.compute_dtype)
+            quantized = job.quantized(name)
+            array = quantized.dequantize() if quantized is not None else job.weights(name)
+            yield name, round_to_dtype(array, job.scheme.compute_dtype)
 
     return CompiledModel(program=print_module(job.module), tensors=tensors())
 

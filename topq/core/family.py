@@ -129,6 +129,23 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
+#: Hugging Face names of a Llama-style decoder layer's weights, by the logical keys block builders use.
+DECODER_LAYER_WEIGHTS: dict[str, str] = {
+    "input_layernorm": "model.layers.{i}.input_layernorm.weight",
+    "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
+    "k_proj": "model.layers.{i}.self_attn.k_proj.weight",
+    "v_proj": "model.layers.{i}.self_attn.v_proj.weight",
+    "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
+    "post_attention_layernorm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate_proj": "model.layers.{i}.mlp.gate_proj.weight",
+    "up_proj": "model.layers.{i}.mlp.up_proj.weight",
+    "down_proj": "model.layers.{i}.mlp.down_proj.weight",
+}
+#: Linears that share an input in such a layer (AWQ scales each group together).
+DECODER_QUANT_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """What a family plugin registers.

@@ -131,6 +131,18 @@ class BlockContext:
         return self.b.top.FAttention(*operands, q_head=self.spec.num_heads, kv_head=self.spec.num_kv_heads,
                                      scale=1.0 / math.sqrt(self.spec.head_dim), causal=True, loc="attention")
 
+    def self_attention(self, x: Value, qk_norm: bool = False) -> Value:
+        """The usual GQA self-attention sublayer: q/k/v projections (bias per spec), optional per-head q/k RMSNorm
+        (weights `q_norm`, `k_norm`), RoPE, this stage's attention, o_proj. Returns the o_proj output."""
+        s = self.spec
+        q = self.heads(self.linear(x, "q_proj", s.num_heads * s.head_dim, bias=s.attention_bias), s.num_heads)
+        k = self.heads(self.linear(x, "k_proj", s.num_kv_heads * s.head_dim, bias=s.attention_bias), s.num_kv_heads)
+        v = self.heads(self.linear(x, "v_proj", s.num_kv_heads * s.head_dim, bias=s.attention_bias), s.num_kv_heads)
+        if qk_norm:
+            q, k = self.rms_norm(q, "q_norm"), self.rms_norm(k, "k_norm")
+        attn = self.attention(self.rope(q), self.rope(k), v)
+        return self.linear(attn, "o_proj", s.hidden_size)
+
     def mlp(self, x: Value, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> Value:
         inter, hidden = self.spec.intermediate_size, self.spec.hidden_size
         act = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(

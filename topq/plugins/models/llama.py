@@ -1,4 +1,4 @@
-"""Llama family (also Mistral): pre-norm decoder, GQA attention with RoPE, gated SiLU MLP."""
+"""Llama family (also Mistral, SmolLM): pre-norm decoder, GQA attention with RoPE, gated SiLU MLP."""
 
 from __future__ import annotations
 
@@ -6,22 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import topq
-from topq.core.family import ModelFamily, ModelSpec, normalize_llama_like
+from topq.core.family import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, ModelFamily, ModelSpec, normalize_llama_like
 from topq.core.ir import Value
 from topq.core.stages import BlockContext
-
-LAYER_WEIGHTS = {
-    "input_layernorm": "model.layers.{i}.input_layernorm.weight",
-    "q_proj": "model.layers.{i}.self_attn.q_proj.weight",
-    "k_proj": "model.layers.{i}.self_attn.k_proj.weight",
-    "v_proj": "model.layers.{i}.self_attn.v_proj.weight",
-    "o_proj": "model.layers.{i}.self_attn.o_proj.weight",
-    "post_attention_layernorm": "model.layers.{i}.post_attention_layernorm.weight",
-    "gate_proj": "model.layers.{i}.mlp.gate_proj.weight",
-    "up_proj": "model.layers.{i}.mlp.up_proj.weight",
-    "down_proj": "model.layers.{i}.mlp.down_proj.weight",
-}
-QUANT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
@@ -29,14 +16,8 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
 
 
 def build_block(ctx: BlockContext) -> Value:
-    s, b = ctx.spec, ctx.b
-    x = ctx.hidden
-    h = ctx.rms_norm(x, "input_layernorm")
-    q = ctx.heads(ctx.linear(h, "q_proj", s.num_heads * s.head_dim, bias=s.attention_bias), s.num_heads)
-    k = ctx.heads(ctx.linear(h, "k_proj", s.num_kv_heads * s.head_dim, bias=s.attention_bias), s.num_kv_heads)
-    v = ctx.heads(ctx.linear(h, "v_proj", s.num_kv_heads * s.head_dim, bias=s.attention_bias), s.num_kv_heads)
-    attn = ctx.attention(ctx.rope(q), ctx.rope(k), v)
-    x = b.top.Add(x, ctx.linear(attn, "o_proj", s.hidden_size))
+    b, x = ctx.b, ctx.hidden
+    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
     return b.top.Add(x, ctx.mlp(ctx.rms_norm(x, "post_attention_layernorm")))
 
 
@@ -45,9 +26,9 @@ FAMILY = ModelFamily(
     architectures=("LlamaForCausalLM", "MistralForCausalLM"),
     model_types=("llama", "mistral"),
     normalize=normalize,
-    layer_weights=LAYER_WEIGHTS,
+    layer_weights=DECODER_LAYER_WEIGHTS,
     build_block=build_block,
-    quant_groups=QUANT_GROUPS,
+    quant_groups=DECODER_QUANT_GROUPS,
     description="Llama 2/3, SmolLM, Mistral",
 )
 

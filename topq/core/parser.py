@@ -24,7 +24,7 @@ _TOKEN_RE = re.compile(
     (?P<ws>[ \t\r\n]+|//[^\n]*)
   | (?P<type>tensor<[^<>]*>)
   | (?P<value>%[A-Za-z0-9_.$]+(?:\#\d+)?)
-  | (?P<symbol>@[A-Za-z0-9_.$]+)
+  | (?P<symbol>@(?:[A-Za-z0-9_.$]+|"(?:[^"\\\n]|\\.)*"))
   | (?P<label>\^[A-Za-z0-9_.$]+)
   | (?P<string>"(?:[^"\\\n]|\\.)*")
   | (?P<hex>0x[0-9A-Fa-f]+)
@@ -40,15 +40,17 @@ _SIMPLE_ESCAPES = {'"': b'"', "\\": b"\\", "n": b"\n", "t": b"\t"}
 
 
 def _unescape(body: str) -> str:
+    """MLIR string escapes: \\XX (a byte in hex), \\", \\\\, \\n, \\t; bytes are UTF-8."""
     if "\\" not in body:
         return body
-    raw = _STRING_ESCAPE_RE.sub(lambda m: "\0" + m.group(1) + "\0", body)
     out = bytearray()
-    for i, piece in enumerate(raw.split("\0")):
-        if i % 2 == 0:
-            out += piece.encode("utf-8")
-        else:
-            out += _SIMPLE_ESCAPES.get(piece) or bytes([int(piece, 16)])
+    pos = 0
+    for match in _STRING_ESCAPE_RE.finditer(body):
+        out += body[pos:match.start()].encode("utf-8")
+        code = match.group(1)
+        out += _SIMPLE_ESCAPES.get(code) or bytes([int(code, 16)])
+        pos = match.end()
+    out += body[pos:].encode("utf-8")
     return out.decode("utf-8", errors="replace")
 
 
@@ -138,6 +140,8 @@ class _Parser:
         start = self.i
         self.expect("func.func")
         name = self.expect_kind("symbol", "a function name like @block_0")[1:]
+        if name.startswith('"'):
+            name = _unescape(name[1:-1])
         if name in module.functions:
             self.fail_at(self.starts[start], f"function @{name} is defined twice")
         self.values = {}
@@ -192,6 +196,9 @@ class _Parser:
                 self.fail("a result name cannot carry '#'")
             if self.accept(":"):
                 count = int(self.expect_kind("int", "a result count"))
+                if count < 1:
+                    self.i -= 1
+                    self.fail("a result count must be at least 1")
             self.expect("=")
         elif self.kind() != "string":
             self.fail(f"expected an operation, found {self.peek()!r}")

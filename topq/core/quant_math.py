@@ -1,0 +1,134 @@
+"""Group-wise integer quantization math shared by RTN and the calibrated solvers (GPTQ, AWQ, AutoRound).
+
+One convention everywhere (what `QuantizedWeight.dequantize` expects):
+
+* asymmetric: codes in [0, 2^b - 1], scale = (max - min) / (2^b - 1), zero = round(-min / scale), w ≈ (code - zero) * scale.
+  The group range is widened to include 0 (min ≤ 0 ≤ max), as GPTQ and AutoRound do, so the zero point is always a
+  valid code and an all-positive group cannot lose its small values.
+* symmetric: codes in [-2^(b-1), 2^(b-1) - 1], zero = 0, scale = absmax / (2^(b-1) - 1): the largest magnitude maps to
+  ±(2^(b-1) - 1) exactly and nothing is clipped.
+
+Groups run along the input dimension K of a weight [N, K]: column k belongs to group k // group_size unless a
+`g_idx` says otherwise (GPTQ's act-order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from topq.core.errors import TopqError
+from topq.core.quant import QuantizedWeight
+
+#: a group whose range is zero (all zeros) gets this scale: codes stay at the zero point and dequantize to 0.
+TINY_SCALE = 1e-12
+
+
+def resolve_group_size(group_size: int | None, k: int, what: str = "weight") -> int:
+    """The effective group size for input size `k`: 0, -1 or None mean one group per row (per channel)."""
+    if group_size is None or group_size <= 0:
+        return k
+    if k % group_size:
+        raise TopqError(f"quant.group_size {group_size} does not divide the input size {k} of {what}")
+    return int(group_size)
+
+
+def check_bits(bits: int) -> int:
+    if not 2 <= int(bits) <= 8:
+        raise TopqError(f"quant.bits must be in 2..8 for integer weights, got {bits}")
+    return int(bits)
+
+
+def code_range(bits: int, symmetric: bool) -> tuple[int, int]:
+    """Smallest and largest integer code."""
+    if symmetric:
+        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1
+
+
+def params_from_range(wmin: np.ndarray, wmax: np.ndarray, bits: int,
+                      symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point (float arrays, zero integral) for groups with range [wmin, wmax].
+
+    The range is widened to contain 0 first (see the module doc)."""
+    wmin = np.minimum(np.asarray(wmin, dtype=np.float64), 0.0)
+    wmax = np.maximum(np.asarray(wmax, dtype=np.float64), 0.0)
+    if symmetric:
+        scale = np.maximum(-wmin, wmax) / ((1 << (bits - 1)) - 1)
+        scale = np.where(scale > TINY_SCALE, scale, 1.0)
+        return scale, np.zeros_like(scale)
+    maxq = (1 << bits) - 1
+    scale = (wmax - wmin) / maxq
+    scale = np.where(scale > TINY_SCALE, scale, 1.0)
+    zero = np.clip(np.round(-wmin / scale), 0, maxq)
+    return scale, zero
+
+
+def quantize_values(w: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int,
+                    symmetric: bool) -> np.ndarray:
+    """Integer codes (as floats) of `w` with broadcastable scale/zero: clamp(round(w / scale) + zero)."""
+    lo, hi = code_range(bits, symmetric)
+    return np.clip(np.round(w / scale) + zero, lo, hi)
+
+
+def group_view(w: np.ndarray, group_size: int) -> np.ndarray:
+    """[N, K] → [N, K / group_size, group_size] (a view for contiguous input)."""
+    n, k = w.shape
+    return w.reshape(n, k // group_size, group_size)
+
+
+def quantize_groups(w: np.ndarray, bits: int, group_size: int | None, symmetric: bool,
+                    shrink: np.ndarray | float | None = None) -> QuantizedWeight:
+    """Round-to-nearest with min/max group ranges, optionally shrunk by `shrink` ([N, G] or a scalar in (0, 1]):
+    the range becomes [shrink * min, shrink * max] and weights outside it are clamped (AWQ's clipping)."""
+    w = np.asarray(w, dtype=np.float64)
+    if w.ndim != 2:
+        raise TopqError(f"expected a 2-D weight [N, K], got shape {list(w.shape)}")
+    bits = check_bits(bits)
+    gs = resolve_group_size(group_size, w.shape[1])
+    groups = group_view(w, gs)
+    wmin, wmax = groups.min(axis=-1), groups.max(axis=-1)
+    if shrink is not None:
+        wmin, wmax = wmin * shrink, wmax * shrink
+    scale, zero = params_from_range(wmin, wmax, bits, symmetric)
+    codes = quantize_values(groups, scale[..., None], zero[..., None], bits, symmetric)
+    return make_quantized(codes.reshape(w.shape), scale, zero, bits, gs, symmetric)
+
+
+def make_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, group_size: int,
+                   symmetric: bool, g_idx: np.ndarray | None = None) -> QuantizedWeight:
+    """A QuantizedWeight with compact storage: int8 codes/zeros when symmetric, uint8 when asymmetric; f32 scales."""
+    dtype = np.int8 if symmetric else np.uint8
+    return QuantizedWeight(
+        codes=np.asarray(codes).astype(dtype),
+        scales=np.asarray(scales, dtype=np.float32),
+        zeros=np.asarray(zeros).astype(dtype),
+        bits=bits, group_size=group_size, symmetric=symmetric,
+        g_idx=None if g_idx is None else np.asarray(g_idx, dtype=np.int32),
+    )
+
+
+def rtn(w: np.ndarray, bits: int, group_size: int | None, symmetric: bool) -> QuantizedWeight:
+    """Plain round-to-nearest group quantization: the baseline every algorithm must beat."""
+    return quantize_groups(w, bits, group_size, symmetric)
+
+
+def fake_quant(w: np.ndarray, bits: int, group_size: int | None, symmetric: bool,
+               shrink: np.ndarray | float | None = None) -> np.ndarray:
+    """quantize → dequantize in float64, without building a QuantizedWeight (hot loops of the searches)."""
+    w = np.asarray(w, dtype=np.float64)
+    gs = resolve_group_size(group_size, w.shape[1])
+    groups = group_view(w, gs)
+    wmin, wmax = groups.min(axis=-1), groups.max(axis=-1)
+    if shrink is not None:
+        wmin, wmax = wmin * shrink, wmax * shrink
+    scale, zero = params_from_range(wmin, wmax, bits, symmetric)
+    scale, zero = scale[..., None], zero[..., None]
+    codes = quantize_values(groups, scale, zero, bits, symmetric)
+    return ((codes - zero) * scale).reshape(w.shape)
+
+
+def output_error(w: np.ndarray, w_hat: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Per-row layer-output error ||x wᵀ - x ŵᵀ||² summed over the calibration inputs x, via H = Σ xᵀx:
+    row n gives (w - ŵ)_n H (w - ŵ)_nᵀ. Exact for all tokens, and cheaper than re-running them when tokens > K."""
+    d = np.asarray(w, dtype=np.float64) - np.asarray(w_hat, dtype=np.float64)
+    return np.einsum("nk,nk->n", d @ np.asarray(h, dtype=np.float64), d)

@@ -1,0 +1,124 @@
+"""GPTQ (Frantar et al. 2022): column-by-column quantization with second-order error compensation.
+
+The solver is a pure numpy function of a weight W [N, K] and the Hessian proxy H = Σ xᵀx [K, K] of the
+linear's inputs; `topq.core.calibration` gathers H layer by layer and calls it. Rows never interact (every
+row sees the same H), so linears that share an input (q/k/v, gate/up) are stacked and solved in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+import topq
+from topq.core.calibration import GroupInputs, LayerState, calibration_scheme
+from topq.core.errors import TopqError
+from topq.core.quant import QuantizedWeight
+from topq.core.quant_math import (check_bits, make_quantized, params_from_range, quantize_values,
+                                  resolve_group_size)
+
+
+def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
+    """Upper Cholesky factor of (H + λI)⁻¹, λ = damp · mean(diag H).
+
+    Row i of this factor holds exactly the coefficients GPTQ needs to spread column i's rounding error over the
+    not-yet-quantized columns (the reference's `cholesky_inverse` + `cholesky(upper=True)`). A Hessian that is
+    still not positive definite (too few tokens, damp 0) gets more dampening instead of failing."""
+    k = h.shape[0]
+    mean_diag = float(np.mean(np.diag(h)))
+    base = max(mean_diag, 1e-12)
+    for attempt in range(6):
+        lam = base * (damp * 10 ** attempt if damp > 0 else 1e-6 * 10 ** attempt)
+        try:
+            lower = np.linalg.cholesky(h + lam * np.eye(k))
+            inv_lower = np.linalg.inv(lower)
+            return np.linalg.cholesky(inv_lower.T @ inv_lower).T
+        except np.linalg.LinAlgError:
+            continue
+    raise TopqError("gptq: the calibration Hessian is not positive definite even with heavy dampening")
+
+
+def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
+         act_order: bool = False, damp: float = 0.01, block_size: int = 128) -> QuantizedWeight:
+    """Quantize W [N, K] minimising ||X Wᵀ - X Ŵᵀ||² for inputs with H = XᵀX (any positive multiple works).
+
+    act_order: columns are processed by decreasing diag(H) (the most active inputs first, while most
+    columns can still absorb their error); groups are formed in that order ("static groups" off, as the
+    reference), so `g_idx[k]` = (position of column k in the order) // group_size.
+    """
+    w = np.asarray(w, dtype=np.float64)
+    h = np.asarray(h, dtype=np.float64)
+    n, k = w.shape
+    if h.shape != (k, k):
+        raise TopqError(f"gptq: Hessian of shape {list(h.shape)} does not match weight input size {k}")
+    bits = check_bits(bits)
+    gs = resolve_group_size(group_size, k)
+    block_size = max(1, int(block_size))
+
+    W = w.copy()
+    H = h.copy()
+    # An input channel that never fired carries no information: quantize its weights as zeros, as the reference.
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    perm = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(k)
+    W = W[:, perm]
+    H = H[np.ix_(perm, perm)]
+    U = _inverse_cholesky(H, damp)
+
+    codes = np.zeros((n, k), dtype=np.float64)
+    scales = np.zeros((n, k // gs), dtype=np.float64)
+    zeros = np.zeros((n, k // gs), dtype=np.float64)
+    scale = zero = None
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        W1 = W[:, i1:i2].copy()
+        err1 = np.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % gs == 0:
+                # Group parameters from the weights as updated so far (all earlier error already folded in).
+                group = np.concatenate([W1[:, i:i + gs], W[:, i2:col + gs]], axis=1)
+                scale, zero = params_from_range(group.min(axis=1), group.max(axis=1), bits, symmetric)
+                scales[:, col // gs], zeros[:, col // gs] = scale, zero
+            q = quantize_values(W1[:, i], scale, zero, bits, symmetric)
+            codes[:, col] = q
+            err = (W1[:, i] - (q - zero) * scale) / U1[i, i]
+            W1[:, i:] -= np.outer(err, U1[i, i:])
+            err1[:, i] = err
+        # Lazy batch update: the rest of the matrix sees this block's errors in one GEMM.
+        W[:, i2:] -= err1 @ U[i1:i2, i2:]
+
+    if not act_order:
+        return make_quantized(codes, scales, zeros, bits, gs, symmetric)
+    out = np.empty_like(codes)
+    out[:, perm] = codes
+    g_idx = np.empty(k, dtype=np.int32)
+    g_idx[perm] = np.arange(k) // gs
+    return make_quantized(out, scales, zeros, bits, gs, symmetric, g_idx=g_idx)
+
+
+# --------------------------------------------------------------------------------------- layer adapter
+
+
+def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any]) -> None:
+    """GPTQ for one quant group: stack the linears sharing this input, solve once, split the rows back."""
+    stacked = np.concatenate([state.float_weight(name) for name in group.names], axis=0)
+    qw = gptq(stacked, group.stats.hessian(), bits=options["bits"], group_size=options["group_size"],
+              symmetric=options["symmetric"], act_order=options["act_order"], damp=options["damp"],
+              block_size=options["block_size"])
+    state.set_quantized_rows(group.names, qw)
+
+
+SCHEME = calibration_scheme(
+    "gptq", "GPTQ: Hessian-aware column-wise rounding (W4/W8 weight-only, calibrated)",
+    solve_group, extra_options=("act_order", "damp", "block_size"))
+
+
+@topq.hookimpl
+def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+    register(SCHEME)

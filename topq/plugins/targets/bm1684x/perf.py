@@ -1,0 +1,606 @@
+"""Performance model of the BM1684X family: per-op cost on Top IR → first-token latency and decode speed.
+
+The model (docs/perf.md has the derivation and the calibration):
+
+* **Compute** of an op = cube time + vector time (both run on the one TIU, one after the other).
+  Cube: `flops / (peak_ops[dtype] × efficiency)` with one efficiency for matmuls and one for fused
+  attention. Vector (norms, elementwise, RoPE, softmax, W4/W8 dequantisation) runs on the EU:
+  `element-ops / (lanes × eu_bytes / element_bytes × clock × vector efficiency)`.
+* **DMA** of an op = bytes it moves between DDR and local memory / (ddr_bandwidth × achievable fraction):
+  weights in their stored size (W4 = 0.5 B + scale/zero per group, W8 = 1 B, BF16 = 2 B), activations
+  a group reads from or writes to DDR, the KV history attention reads. Each transfer is rounded up to
+  the DMA burst (`spec.dma_align`).
+* **Layer groups** (approximation of the compiler's): every matmul / MLP / attention is its own group
+  with its weights streamed; elementwise, norm and RoPE ops fuse into the next such group (trailing
+  ones into the previous). Views (reshape, the in-place history concat) cost nothing. A group takes
+  `max(compute, DMA) + per-group overhead` (DMA and compute overlap by double buffering); a function
+  call adds a launch overhead.
+* **Multi-core** (bm1688): every op is split across `spec.cores` cores — matmuls along N, attention by
+  heads, elementwise by elements; each core has its own `ddr_bandwidth` and reads the whole input
+  activation of a matmul.
+
+One `Calibration` (efficiencies, overheads, DDR fraction) holds for every model and chip of the family.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from topq.core.errors import TopqError
+from topq.core.family import ModelFamily, ModelSpec, find_family
+from topq.core.ir import Function, Module, Operation, Value
+from topq.core.stages import StageConfig, build_program
+from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec
+
+# ------------------------------------------------------------------------------------------ modes
+
+
+@dataclass(frozen=True)
+class QuantMode:
+    """How a linear weight is stored and in which dtype the chip computes with it."""
+
+    name: str
+    weight_bits: int | None  # None: float weights stored in the activation dtype
+    compute: str  # key of ChipSpec.peak_ops used for matmuls
+    act_bytes: int  # bytes per activation / float weight element
+    group_size: int = 64  # weights per scale (0 or -1: one per output channel)
+    symmetric: bool = False
+
+    SCALE_BYTES = 2  # bf16/f16 scale per group
+    ZERO_BYTES = 1  # uint8 zero point per group (asymmetric only)
+
+    def weight_bytes(self, n: int, k: int) -> float:
+        """Stored bytes of an [N, K] linear weight (K is the quantization-group axis)."""
+        if self.weight_bits is None:
+            return float(n * k * self.act_bytes)
+        group = k if self.group_size <= 0 else min(self.group_size, k)
+        groups = n * math.ceil(k / group)
+        per_group = self.SCALE_BYTES + (0 if self.symmetric else self.ZERO_BYTES)
+        return n * k * self.weight_bits / 8 + groups * per_group
+
+    @property
+    def dequant_ops(self) -> int:
+        """EU element-ops to turn one stored weight into a compute-dtype weight (0: used as stored)."""
+        if self.weight_bits is None or self.compute == "int8":
+            return 0
+        return 3 if self.weight_bits == 4 else 2  # (unpack +) convert, subtract zero, multiply scale
+
+
+#: scheme name → (weight bits, compute dtype, activation bytes). Algorithms default to 4-bit bf16.
+_SCHEMES: dict[str, tuple[int | None, str, int]] = {
+    "f32": (None, "f32", 4),
+    "bf16": (None, "bf16", 2),
+    "f16": (None, "f16", 2),
+    "w8bf16": (8, "bf16", 2),
+    "w4bf16": (4, "bf16", 2),
+    "w8f16": (8, "f16", 2),
+    "w4f16": (4, "f16", 2),
+    "int8": (8, "int8", 2),
+    "gptq": (4, "bf16", 2),
+    "awq": (4, "bf16", 2),
+    "autoround": (4, "bf16", 2),
+}
+
+
+def quant_mode(name: str, group_size: int = 64, symmetric: bool = False, bits: int | None = None) -> QuantMode:
+    """The mode of a scheme name (`w4bf16`, `bf16`, `int8`, `gptq`, ...); `bits` overrides an algorithm's."""
+    try:
+        weight_bits, compute, act_bytes = _SCHEMES[name]
+    except KeyError:
+        raise TopqError(f"perf model: unknown quant mode {name!r}; known: {', '.join(sorted(_SCHEMES))}") from None
+    if bits is not None and weight_bits is not None:
+        weight_bits = int(bits)
+    if name == "int8":
+        group_size = 0  # W8A8: one scale per output channel
+    return QuantMode(name, weight_bits, compute, act_bytes, int(group_size), bool(symmetric))
+
+
+def _as_mode(mode: QuantMode | str) -> QuantMode:
+    return quant_mode(mode) if isinstance(mode, str) else mode
+
+
+# ------------------------------------------------------------------------------------------ calibration
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The model's free constants: one set for every model and every chip of the family (docs/perf.md)."""
+
+    cube_eff: float = 0.60  # fraction of peak_ops a matmul reaches on the cube
+    attn_eff: float = 0.35  # fraction of peak_ops fused attention (QKᵀ, PV) reaches
+    vector_eff: float = 0.50  # fraction of the EU's lanes × eu_bytes per cycle that vector ops reach
+    ddr_eff: float = 0.62  # achievable fraction of ddr_bandwidth
+    group_overhead_s: float = 10e-6  # fixed cost of one layer group (sync, instruction issue)
+    launch_s: float = 60e-6  # fixed cost of one function call (runtime launch)
+    kv_per_query_head: bool = True  # attention streams K/V once per query head (GQA heads not batched)
+
+
+CALIBRATION = Calibration()
+
+#: EU element-ops per output element of the vector ops (estimates from the ops' arithmetic, not fitted).
+VECTOR_OPS: dict[str, int] = {
+    "RMSNorm": 4,  # square, reduce-add, multiply by rsqrt, multiply by weight
+    "LayerNorm": 6,
+    "Add": 1,
+    "Mul": 1,
+    "MulConst": 1,
+    "SiLU": 4,  # exp, add, reciprocal, multiply
+    "GELU": 8,
+    "Softmax": 5,
+    "Rope": 3,  # two multiplies and an add (rotate-half is addressing)
+    "Permute": 1,  # a copy
+    "TopK": 2,
+}
+SCORE_OPS = 7  # attention, per score element in f32: scale, mask add, max, subtract, exp, sum, divide
+MLP_ACT_OPS = {"silu": 4, "gelu": 8, "gelu_tanh": 8}  # + 1 for the gate × up multiply
+VIEW_OPS = frozenset({"Input", "Weight", "Reshape", "Concat", "Slice"})  # no data movement of their own
+ANCHOR_OPS = frozenset({"MatMul", "MLP", "FAttention"})  # each starts its own layer group
+
+
+# ------------------------------------------------------------------------------------------ per-op cost
+
+
+@dataclass
+class OpRow:
+    """One op of a function estimate. `time_s` is the op's share of its group's time (rows sum to the total)."""
+
+    name: str
+    loc: str | None
+    group: int
+    flops: float
+    bytes: float  # DDR bytes moved, all cores together
+    compute_s: float
+    dma_s: float
+    time_s: float = 0.0
+
+
+@dataclass
+class FunctionEstimate:
+    name: str
+    rows: list[OpRow]
+    groups: int
+    launch_s: float
+    total_s: float
+
+    @property
+    def flops(self) -> float:
+        return sum(r.flops for r in self.rows)
+
+    @property
+    def bytes(self) -> float:
+        return sum(r.bytes for r in self.rows)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(r.compute_s for r in self.rows)
+
+    @property
+    def dma_s(self) -> float:
+        return sum(r.dma_s for r in self.rows)
+
+    def table(self) -> str:
+        """A per-op text table (the compiler's `--dump` view)."""
+        lines = [f"@{self.name}: {self.total_s * 1e3:.3f} ms in {self.groups} groups "
+                 f"(+{self.launch_s * 1e6:.0f} us launch)",
+                 f"{'op':<16}{'loc':<34}{'grp':>4}{'MFLOP':>12}{'KB':>12}{'compute us':>12}{'dma us':>10}{'time us':>10}"]
+        for r in self.rows:
+            lines.append(f"{r.name:<16}{(r.loc or '-'):<34}{r.group:>4}{r.flops / 1e6:>12.2f}{r.bytes / 1024:>12.1f}"
+                         f"{r.compute_s * 1e6:>12.2f}{r.dma_s * 1e6:>10.2f}{r.time_s * 1e6:>10.2f}")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Cost:
+    flops: float = 0.0  # total over cores
+    cube_s: float = 0.0
+    vector_s: float = 0.0
+    bytes_per_core: float = 0.0
+
+
+class _Estimator:
+    """Costs of the ops of one function on one chip in one mode."""
+
+    def __init__(self, function: Function, chip: ChipSpec, mode: QuantMode, lm_head_mode: QuantMode,
+                 cal: Calibration) -> None:
+        self.f, self.chip, self.mode, self.cal = function, chip, mode, cal
+        self.linear_mode = lm_head_mode if function.name == "lm_head" else mode
+        self.cores = max(1, chip.cores)
+        self.weights: dict[int, str] = {}
+        for op in function.walk():
+            if _kind(op) == "Weight":
+                self.weights[id(op.results[0])] = str(op.attrs.get("name", ""))
+        self.args = {id(a) for a in function.args}
+        self.results = {id(r) for r in function.results}
+
+    # -- primitives
+    def numel(self, v: Value) -> int:
+        return math.prod(v.shape)
+
+    def transfer(self, nbytes: float, split: bool = True) -> float:
+        """Bytes one core moves for a tensor of `nbytes` (split across cores or read by each), DMA-aligned."""
+        per_core = nbytes / self.cores if split else nbytes
+        if per_core <= 0:
+            return 0.0
+        align = self.chip.dma_align
+        return math.ceil(per_core / align) * align
+
+    def act(self, v: Value, split: bool = True) -> float:
+        return self.transfer(self.numel(v) * self.mode.act_bytes, split)
+
+    def cube_s(self, flops: float, dtype: str, eff: float) -> float:
+        return flops / self.cores / (self.chip.peak_ops[dtype] * eff)
+
+    def vector_s(self, element_ops: float, element_bytes: int) -> float:
+        per_s = self.chip.lanes * self.chip.eu_bytes / element_bytes * self.chip.clock_hz * self.cal.vector_eff
+        return element_ops / self.cores / per_s
+
+    def is_weight(self, v: Value) -> bool:
+        return id(v) in self.weights
+
+    def io(self, op: Operation) -> float:
+        """DDR traffic of a fused (non-anchor) op: only function inputs it reads and results it writes."""
+        total = 0.0
+        for v in op.operands:
+            if id(v) in self.args:
+                total += self.act(v)
+            elif self.is_weight(v) and _kind(op) != "Gather":
+                total += self.transfer(self.numel(v) * self.mode.act_bytes, split=False)
+        for r in op.results:
+            if id(r) in self.results:
+                total += self.act(r)
+        return total
+
+    # -- ops
+    def cost(self, op: Operation) -> _Cost:
+        kind = _kind(op)
+        if kind in VIEW_OPS:
+            return _Cost()
+        handler = getattr(self, f"_cost_{kind}", None)
+        if handler is not None:
+            return handler(op)
+        out = op.results[0] if op.results else None
+        elements = self.numel(out) if out is not None and hasattr(out.type, "shape") else 0
+        ops = VECTOR_OPS.get(kind, 1)
+        return _Cost(vector_s=self.vector_s(elements * ops, self.mode.act_bytes), bytes_per_core=self.io(op))
+
+    def _linear(self, x: Value, n: int, k: int, weight: Value | None) -> _Cost:
+        """x[..., K] @ W[N, K]ᵀ: cube flops, dequantisation on the EU, streamed weight, split along N."""
+        rows = self.numel(x) // k
+        flops = 2.0 * rows * k * n
+        mode = self.linear_mode if weight is not None and self.is_weight(weight) else self.mode
+        cube = self.cube_s(flops, mode.compute if weight is not None else self.mode.compute, self.cal.cube_eff)
+        nbytes = self.transfer(mode.weight_bytes(n, k)) if weight is not None and self.is_weight(weight) else 0.0
+        vector = self.vector_s(n * k * mode.dequant_ops, 2) if nbytes else 0.0
+        return _Cost(flops, cube, vector, nbytes)
+
+    def _cost_MatMul(self, op: Operation) -> _Cost:
+        x, w, *bias = op.operands
+        out = op.results[0]
+        n, k = (w.shape[-2], w.shape[-1]) if op.attrs.get("right_transpose") else (w.shape[-1], w.shape[-2])
+        if self.is_weight(w) and len(w.shape) == 2:
+            c = self._linear(x, n, k, w)
+        else:  # activation × activation (batched): no weight to stream
+            flops = 2.0 * self.numel(out) * k
+            c = _Cost(flops, self.cube_s(flops, self.mode.compute, self.cal.cube_eff), 0.0, self.act(w))
+        c.bytes_per_core += self.act(x, split=False) + self.act(out)
+        c.bytes_per_core += sum(self.transfer(self.numel(b) * self.mode.act_bytes) for b in bias)
+        return c
+
+    def _cost_MLP(self, op: Operation) -> _Cost:
+        x, gate, up, down = op.operands
+        inter, hidden = gate.shape
+        c = _Cost()
+        for w, n, k in ((gate, inter, hidden), (up, inter, hidden), (down, hidden, inter)):
+            part = self._linear(x, n, k, w)
+            c.flops += part.flops
+            c.cube_s += part.cube_s
+            c.vector_s += part.vector_s
+            c.bytes_per_core += part.bytes_per_core
+        rows = self.numel(x) // hidden
+        act_ops = MLP_ACT_OPS.get(str(op.attrs.get("act", "silu")), 4) + 1
+        c.vector_s += self.vector_s(rows * inter * act_ops, self.mode.act_bytes)
+        c.bytes_per_core += self.act(x, split=False) + self.act(op.results[0])
+        return c
+
+    def _cost_FAttention(self, op: Operation) -> _Cost:
+        q, k, v, *mask = op.operands
+        _, lq, hq, d = q.shape
+        lk = k.shape[1]
+        history = lk - lq
+        # causal, bottom-right aligned: query i sees history + i + 1 keys; a masked decode still computes all
+        keys = lq * history + lq * (lq + 1) / 2 if not mask else lq * lk
+        scores = hq * keys
+        flops = 4.0 * scores * d  # QKᵀ and PV
+        cube = self.cube_s(flops, "bf16" if self.mode.compute in ("int8",) else self.mode.compute,
+                           self.cal.attn_eff)
+        vector = self.vector_s(scores * SCORE_OPS, 4)
+        # K/V are re-read once per pass over the queries that fit half of local memory, and (without GQA
+        # batching) once per query head of a KV head
+        q_bytes = self.numel(q) * self.mode.act_bytes / self.cores
+        passes = max(1, math.ceil(q_bytes / (self.chip.local_mem / 2)))
+        if self.cal.kv_per_query_head:
+            passes *= max(1, int(op.attrs.get("q_head", hq)) // max(1, int(op.attrs.get("kv_head", k.shape[2]))))
+        nbytes = self.act(q) + passes * (self.act(k) + self.act(v)) + self.act(op.results[0])
+        nbytes += sum(self.act(m, split=False) for m in mask)
+        return _Cost(flops, cube, vector, nbytes)
+
+    def _cost_Gather(self, op: Operation) -> _Cost:
+        _, index = op.operands
+        out = op.results[0]
+        nbytes = self.act(out)  # only the gathered rows are read
+        if id(index) in self.args:
+            nbytes += self.transfer(self.numel(index) * 4, split=False)
+        if id(out) in self.results:
+            nbytes += self.act(out)  # and written back (the embedding)
+        return _Cost(bytes_per_core=nbytes)
+
+
+def _kind(op: Operation) -> str:
+    """`top.MatMul` → `MatMul` (works for any dialect that keeps the Top op names)."""
+    return op.name.rsplit(".", 1)[-1]
+
+
+def _groups(ops: list[Operation]) -> list[int]:
+    """Group index of each op: an anchor starts a group; other ops join the next anchor's group."""
+    anchors = [i for i, op in enumerate(ops) if _kind(op) in ANCHOR_OPS]
+    if not anchors:
+        return [0] * len(ops)
+    groups, g = [], 0
+    for i, _ in enumerate(ops):
+        while g < len(anchors) and anchors[g] < i:
+            g += 1
+        groups.append(min(g, len(anchors) - 1))
+    return groups
+
+
+def estimate_function(function: Function, chip: ChipSpec | str, mode: QuantMode | str,
+                      lm_head_mode: QuantMode | str = "bf16", cal: Calibration = CALIBRATION) -> FunctionEstimate:
+    """Per-op rows and the total time of one call of `function` on `chip` in `mode`.
+
+    `lm_head_mode` is the mode of the matmul of the function named `lm_head`.
+    """
+    spec = SPECS[chip] if isinstance(chip, str) else chip
+    est = _Estimator(function, spec, _as_mode(mode), _as_mode(lm_head_mode), cal)
+    bandwidth = spec.ddr_bandwidth * cal.ddr_eff
+    ops = [op for op in function.walk() if _kind(op) not in ("Weight", "Input")]
+    group_of = _groups(ops)
+    rows: list[OpRow] = []
+    for op, g in zip(ops, group_of):
+        c = est.cost(op)
+        compute = c.cube_s + c.vector_s
+        rows.append(OpRow(_kind(op), op.loc, g, c.flops, c.bytes_per_core * est.cores, compute,
+                          c.bytes_per_core / bandwidth))
+    n_groups = (max(group_of) + 1) if group_of else 0
+    for g in range(n_groups):
+        members = [r for r in rows if r.group == g]
+        compute, dma = sum(r.compute_s for r in members), sum(r.dma_s for r in members)
+        time = max(compute, dma)
+        solo = sum(max(r.compute_s, r.dma_s) for r in members)
+        scale = time / solo if solo > 0 else 0.0
+        for r in members:
+            r.time_s = max(r.compute_s, r.dma_s) * scale
+        anchor = next((r for r in members if r.name in ANCHOR_OPS), members[0])
+        anchor.time_s += cal.group_overhead_s
+    total = sum(r.time_s for r in rows) + cal.launch_s
+    return FunctionEstimate(function.name, rows, n_groups, cal.launch_s, total)
+
+
+# ------------------------------------------------------------------------------------------ whole model
+
+DEFAULT_CONTEXTS = (512, 1024, 2048)
+
+
+def _contexts(seq_length: int, extra: Iterable[int] = ()) -> tuple[int, ...]:
+    return tuple(sorted({c for c in (*DEFAULT_CONTEXTS, *extra) if 0 < c < seq_length} | {seq_length}))
+
+
+def _family(spec: ModelSpec) -> ModelFamily:
+    from topq.core.plugins import get_plugins
+
+    return get_plugins().families.get(spec.family)
+
+
+def _variant_for(context: int, variants: Iterable[int]) -> int:
+    """The smallest decode variant whose history holds `context` tokens (the runtime's choice)."""
+    fitting = [v for v in sorted(variants) if v >= context]
+    if not fitting:
+        raise TopqError(f"context {context} exceeds the largest decode variant {max(variants)}")
+    return fitting[0]
+
+
+@dataclass
+class _Program:
+    """The program of a model and the estimates of the functions the runtime calls."""
+
+    module: Module
+    spec: ModelSpec
+    stages: StageConfig
+    estimate: Callable[[str], FunctionEstimate]
+    variants: tuple[int, ...] = field(default_factory=tuple)
+
+    def layers(self) -> range:
+        return range(self.spec.num_layers)
+
+    def prefill_s(self) -> dict[str, float]:
+        blocks = sum(self.estimate(f"block_{i}").total_s for i in self.layers())
+        return {"embedding_s": self.estimate("embedding").total_s, "blocks_s": blocks,
+                "lm_head_s": self.estimate("lm_head").total_s}
+
+    def prefill_kv_blocks_s(self) -> float:
+        return sum(self.estimate(f"block_kv_{i}").total_s for i in self.layers())
+
+    def decode(self, variant: int) -> dict[str, float]:
+        suffix = "" if variant == self.stages.seq_length else f"_{variant}"
+        names = ["embedding_cache", *(f"block_cache_{i}{suffix}" for i in self.layers()), "lm_head"]
+        ests = [self.estimate(n) for n in names]
+        return {
+            "step_s": sum(e.total_s for e in ests),
+            "bytes": sum(e.bytes for e in ests),
+            "blocks_s": sum(e.total_s for e in ests[1:-1]),
+            "embedding_s": ests[0].total_s,
+            "lm_head_s": ests[-1].total_s,
+        }
+
+
+_MODULES: dict[str, Module] = {}  # config-only programs by (family, spec, stages): predictions rebuild nothing
+
+
+def _build(spec: ModelSpec, family: ModelFamily, stages: StageConfig) -> Module:
+    key = repr((family.name, spec, stages))
+    if key not in _MODULES:
+        if len(_MODULES) >= 8:
+            _MODULES.pop(next(iter(_MODULES)))
+        _MODULES[key] = build_program(spec, family, stages, shapes=None)
+    return _MODULES[key]
+
+
+def _program(spec: ModelSpec, family: ModelFamily, stages: StageConfig, chip: ChipSpec, mode: QuantMode,
+             lm_head_mode: QuantMode, cal: Calibration) -> _Program:
+    module = _build(spec, family, stages)
+    cache: dict[str, FunctionEstimate] = {}
+
+    def estimate(name: str) -> FunctionEstimate:
+        if name not in cache:
+            cache[name] = estimate_function(module[name], chip, mode, lm_head_mode, cal)
+        return cache[name]
+
+    return _Program(module, spec, stages, estimate, stages.decode_variants)
+
+
+def predict(spec: ModelSpec, chip: ChipSpec | str, quant: str, seq_length: int, max_input_length: int | None = None,
+            lm_head_quant: str = "bf16", group_size: int = 64, *, symmetric: bool = False,
+            contexts: Iterable[int] = (), cal: Calibration = CALIBRATION) -> dict[str, Any]:
+    """First-token latency, decode speed and DDR bytes per token of a model from its spec alone.
+
+    `ftl_s`: embedding + every `block_i` at max_input_length + lm_head. `decode_tps`: one decode step
+    (embedding_cache + every block_cache + lm_head) with the history at seq_length, as a single-variant
+    compile runs it; `decode_tps_by_context` with the smallest variant that holds each context.
+    """
+    chip_spec = SPECS[chip] if isinstance(chip, str) else chip
+    max_input_length = max_input_length or seq_length
+    mode = quant_mode(quant, group_size, symmetric)
+    head = quant_mode(lm_head_quant, group_size, symmetric)
+    stages = StageConfig(seq_length, max_input_length, prefill_kv=False, decode_chunks=_contexts(seq_length, contexts))
+    prog = _program(spec, _family(spec), stages, chip_spec, mode, head, cal)
+    return _summary(prog, chip_spec, mode, head, cal, prompt_length=max_input_length)
+
+
+def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, cal: Calibration,
+             prompt_length: int) -> dict[str, Any]:
+    st = prog.stages
+    prefill = prog.prefill_s()
+    segments = max(0, math.ceil((prompt_length - st.max_input_length) / st.max_input_length))
+    if segments and not st.prefill_kv:
+        raise TopqError(f"a prompt of {prompt_length} tokens needs prefill_kv (max_input_length {st.max_input_length})")
+    kv_s = segments * (prefill["embedding_s"] + prog.prefill_kv_blocks_s()) if segments else 0.0
+    ftl = sum(prefill.values()) + kv_s
+    full = prog.decode(st.seq_length)
+    by_context = {c: prog.decode(c) for c in prog.variants}
+    bandwidth = chip.ddr_bandwidth * max(1, chip.cores)
+    weights = _weight_bytes(prog.spec, mode, head)
+    return {
+        "chip": chip.name,
+        "cores": chip.cores,
+        "quant": mode.name,
+        "lm_head_quant": head.name,
+        "group_size": mode.group_size,
+        "seq_length": st.seq_length,
+        "max_input_length": st.max_input_length,
+        "prompt_length": prompt_length,
+        "ftl_s": ftl,
+        "prefill_tokens_per_s": min(prompt_length, st.max_input_length * (segments + 1)) / ftl,
+        "decode_tps": 1.0 / full["step_s"],
+        "decode_step_s": full["step_s"],
+        "bytes_per_token": full["bytes"],
+        "weight_bytes_per_token": weights,
+        "kv_bytes_per_token": kv_bytes(prog.spec, st.seq_length, mode.act_bytes),
+        "ddr_utilization": full["bytes"] / full["step_s"] / bandwidth,
+        "decode_tps_by_context": {str(c): 1.0 / d["step_s"] for c, d in by_context.items()},
+        "bytes_per_token_by_context": {str(c): d["bytes"] for c, d in by_context.items()},
+        "prefill_breakdown_s": {**prefill, "prefill_kv_s": kv_s},
+        "decode_breakdown_s": {k: v for k, v in full.items() if k.endswith("_s")},
+        "calibration": asdict(cal),
+    }
+
+
+def kv_bytes(spec: ModelSpec, history: int, act_bytes: int = 2) -> int:
+    """K and V history one decode step reads, all layers."""
+    return 2 * spec.num_layers * history * spec.num_kv_heads * spec.head_dim * act_bytes
+
+
+def _weight_bytes(spec: ModelSpec, mode: QuantMode, head: QuantMode) -> float:
+    """Linear weights one decode step streams (the embedding reads one row: not counted here)."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    per_layer = (mode.weight_bytes(q, h) + 2 * mode.weight_bytes(kv, h) + mode.weight_bytes(h, q)
+                 + 2 * mode.weight_bytes(spec.intermediate_size, h) + mode.weight_bytes(h, spec.intermediate_size))
+    return spec.num_layers * per_layer + head.weight_bytes(spec.vocab_size, h)
+
+
+# ------------------------------------------------------------------------------------------ entry point
+
+
+def _mode_from_config(config: Mapping[str, Any], quant: str) -> tuple[str, int | None, int | None]:
+    """`auto`: the checkpoint's quantization_config (bits, group_size), else bf16."""
+    if quant != "auto":
+        return quant, None, None
+    qc = config.get("quantization_config") or {}
+    bits = qc.get("bits") or qc.get("w_bit")
+    if not bits:
+        return "bf16", None, None
+    group = qc.get("group_size") or qc.get("q_group_size")
+    return ("w4bf16" if int(bits) == 4 else "w8bf16"), int(bits), (int(group) if group else None)
+
+
+def perf_entry(chip_spec: ChipSpec) -> Callable[..., dict[str, Any]]:
+    """The `perf=` callable of a Target: `perf(config=..., quant=..., seq_length=..., ...)` predicts from a
+    config.json; `perf(bundle=..., prompt_length=...)` predicts for a compiled bundle and a prompt."""
+
+    def perf(*, config: Mapping[str, Any] | None = None, bundle: Any = None, quant: str | None = None,
+             seq_length: int | None = None, max_input_length: int | None = None, lm_head_quant: str = "bf16",
+             group_size: int = 64, prompt_length: int | None = None) -> dict[str, Any]:
+        if bundle is not None:
+            return predict_bundle(bundle, chip_spec, prompt_length)
+        if config is None or quant is None or seq_length is None:
+            raise TopqError("perf needs config, quant and seq_length (or a bundle)")
+        from topq.core.plugins import get_plugins
+
+        family = find_family(get_plugins().families, config)
+        spec = family.normalize(config)
+        quant, _, group = _mode_from_config(config, quant)
+        return predict(spec, chip_spec, quant, seq_length, max_input_length, lm_head_quant, group or group_size)
+
+    return perf
+
+
+def predict_bundle(bundle: Any, chip: ChipSpec, prompt_length: int | None = None) -> dict[str, Any]:
+    """Prediction for a bundle's own program (its stages and decode variants) and a prompt length."""
+    spec = bundle.spec if isinstance(bundle.spec, ModelSpec) else ModelSpec.from_dict(bundle.spec)
+    meta = bundle.meta
+    st = meta["stages"]
+    stages = StageConfig(int(st["seq_length"]), int(st["max_input_length"]), bool(st.get("prefill_kv", False)),
+                         tuple(int(v) for v in st.get("decode_variants", ())))
+    quant_opts = (bundle.recipe or {}).get("quant", {})
+    group_size = int(quant_opts.get("group_size", 64))
+    symmetric = bool(quant_opts.get("symmetric", False))
+    mode = quant_mode(str(meta.get("scheme", quant_opts.get("scheme", "bf16"))), group_size, symmetric,
+                      quant_opts.get("bits"))
+    head = quant_mode(str(quant_opts.get("lm_head", "bf16")), group_size, symmetric)
+    from topq.core.plugins import get_plugins
+
+    family = get_plugins().families.get(meta.get("family") or spec.family)
+    prog = _program(spec, family, stages, chip, mode, head, CALIBRATION)
+    prompt = max(1, int(prompt_length or stages.max_input_length))
+    result = _summary(prog, chip, mode, head, CALIBRATION, prompt_length=prompt)
+    variant = _variant_for(min(prompt, stages.seq_length), prog.variants)
+    at_prompt = prog.decode(variant)
+    result.update({
+        "decode_variant": variant,
+        "decode_tps": 1.0 / at_prompt["step_s"],
+        "decode_step_s": at_prompt["step_s"],
+        "bytes_per_token": at_prompt["bytes"],
+    })
+    return result

@@ -19,7 +19,9 @@ from topq.core.errors import TopqError
 class QuantizedWeight:
     """Integer codes with per-group scales and zero points: w ≈ (codes - zeros) * scales, group-wise along K.
 
-    codes: [N, K] integers in [0, 2^bits) (asymmetric) or [-2^(bits-1), 2^(bits-1)) (symmetric, zeros = 0);
+    codes: [N, K] integers, either unsigned in [0, 2^bits) with real zero points (asymmetric schemes, and
+    imported checkpoints, whose symmetric weights carry zeros = 2^(bits-1)), or signed in
+    [-2^(bits-1), 2^(bits-1)) with zeros = 0 (topq's symmetric RTN);
     scales / zeros: [N, K / group_size] (group_size = K for per-channel); g_idx: optional [K] group of each column.
     """
 

@@ -57,9 +57,10 @@ from topq.core.quant import QuantizedWeight
 __all__ = [
     "AWQ_ORDER",
     "GGUF_EXACT_TYPES",
+    "SUPPORTED_METHODS",
+    "CTGroup",
     "QuantFormat",
     "QuantizedStore",
-    "SUPPORTED_METHODS",
     "parse_quantization_config",
     "read_quantization_config",
     "to_signed_symmetric",
@@ -161,7 +162,7 @@ def _check_g_idx(g_idx: np.ndarray | None, k: int, groups: int, group_size: int,
 def _scales(array: np.ndarray) -> np.ndarray:
     """A float scale tensor, copied off any memory map, keeping its stored dtype."""
     array = np.asarray(array)
-    if array.dtype.kind not in "fV" and "float" not in array.dtype.name:
+    if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
         raise TopqError(f"scales must be floating point, got {array.dtype}")
     return np.array(array)
 
@@ -228,8 +229,8 @@ def unpack_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, *, b
     zeros = unpack_words(qz, 4, axis=1, order=AWQ_ORDER).astype(np.int16)  # [G, N]
     k = codes.shape[0]
     return QuantizedWeight(codes=np.ascontiguousarray(codes.T), scales=np.ascontiguousarray(scales.T),
-                           zeros=np.ascontiguousarray(zeros.T), bits=4, group_size=_group_size(k, groups, group_size, what),
-                           symmetric=symmetric)
+                           zeros=np.ascontiguousarray(zeros.T), bits=4,
+                           group_size=_group_size(k, groups, group_size, what), symmetric=symmetric)
 
 
 def unpack_pack_quantized(weight_packed: np.ndarray, weight_scale: np.ndarray, weight_shape: Any, *, bits: int,
@@ -243,7 +244,8 @@ def unpack_pack_quantized(weight_packed: np.ndarray, weight_scale: np.ndarray, w
     per_word = _WORD // bits
     packed = _as_words(weight_packed, f"{what}.weight_packed")
     if packed.shape != (n, math.ceil(k / per_word)):
-        raise TopqError(f"{what}: weight_packed {tuple(packed.shape)} does not fit weight_shape {(n, k)} at {bits} bits")
+        raise TopqError(f"{what}: weight_packed {tuple(packed.shape)} does not fit weight_shape {(n, k)} "
+                        f"at {bits} bits")
     codes = unpack_words(packed, bits, axis=1)[:, :k]
     offset = 1 << (bits - 1)
     scale = _scales(weight_scale)
@@ -331,7 +333,6 @@ class QuantFormat:
     zero_offset: int = 0  # GPTQ layout: 1 when zeros are stored minus one (v1)
     per_layer: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name or regex → overrides
     ct_groups: tuple[CTGroup, ...] = ()
-    ct_ignore: tuple[str, ...] = ()
 
     def layer_settings(self, prefix: str) -> tuple[int | None, int | None, bool]:
         """(bits, group_size, symmetric) for one layer (module name), after per-layer overrides.
@@ -388,7 +389,7 @@ def _norm_group(value: Any) -> int | None:
     return None if value <= 0 else value
 
 
-def _int(qc: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+def _first(qc: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:
         if qc.get(key) is not None:
             return qc[key]
@@ -429,7 +430,7 @@ def _check_bits(bits: Any, allowed: tuple[int, ...], method: str) -> int:
 
 
 def _parse_gptq(qc: Mapping[str, Any]) -> QuantFormat:
-    fmt = str(_int(qc, "checkpoint_format", "format", default="gptq")).lower()
+    fmt = str(_first(qc, "checkpoint_format", "format", default="gptq")).lower()
     if qc.get("is_marlin_format"):
         fmt = "marlin"
     if fmt not in ("gptq", "gptq_v2"):
@@ -437,7 +438,7 @@ def _parse_gptq(qc: Mapping[str, Any]) -> QuantFormat:
     pack_dtype = str(qc.get("pack_dtype", "int32")).replace("torch.", "")
     if pack_dtype != "int32":
         raise _unsupported("pack_dtype", pack_dtype, "int32")
-    bits = _check_bits(_int(qc, "bits", "w_bit", default=4), _GPTQ_BITS, "gptq")
+    bits = _check_bits(_first(qc, "bits", "w_bit", default=4), _GPTQ_BITS, "gptq")
     dynamic = qc.get("dynamic") or {}
     return QuantFormat(method="gptq", layout="gptq", bits=bits, group_size=_norm_group(qc.get("group_size", 128)),
                        symmetric=bool(qc.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0,
@@ -448,10 +449,10 @@ def _parse_awq(qc: Mapping[str, Any]) -> QuantFormat:
     version = str(qc.get("version", "gemm")).lower()
     if version != "gemm":
         raise _unsupported("version", qc.get("version"), "gemm")
-    bits = _check_bits(_int(qc, "bits", "w_bit", default=4), (4,), "awq")
+    bits = _check_bits(_first(qc, "bits", "w_bit", default=4), (4,), "awq")
     zero_point = qc.get("zero_point", True)
     return QuantFormat(method="awq", layout="awq", bits=bits,
-                       group_size=_norm_group(_int(qc, "group_size", "q_group_size", default=128)),
+                       group_size=_norm_group(_first(qc, "group_size", "q_group_size", default=128)),
                        symmetric=not zero_point)
 
 
@@ -478,10 +479,11 @@ def _parse_auto_round(qc: Mapping[str, Any]) -> QuantFormat:
         layout, offset = "gptq", 0
     elif "gptq" in packing:
         layout, offset = "gptq", 1
-    elif packing.startswith("auto_round") and not any(x in packing for x in ("fp8", "fp", "mx", "nv", "llm_compressor")):
+    elif packing.startswith("auto_round") and not any(x in packing for x in ("fp", "mx", "nv", "llm_compressor")):
         layout, offset = "gptq", 0  # auto_round's own QuantLinear: real zeros, no g_idx
     else:
-        raise _unsupported("packing_format", qc.get("packing_format", qc.get("backend")), ", ".join(_AUTO_ROUND_FORMATS))
+        raise _unsupported("packing_format", qc.get("packing_format", qc.get("backend")),
+                           ", ".join(_AUTO_ROUND_FORMATS))
     allowed = (4,) if layout == "awq" else _GPTQ_BITS
     bits = _check_bits(qc.get("bits", 4), allowed, f"auto-round ({packing})")
     extra = qc.get("extra_config") or {}
@@ -522,8 +524,7 @@ def _parse_compressed_tensors(qc: Mapping[str, Any]) -> QuantFormat:
                               group_size=_norm_group(weights.get("group_size")) if strategy == "group" else None,
                               strategy=strategy))
     return QuantFormat(method="compressed-tensors", layout="pack-quantized", bits=groups[0].bits,
-                       group_size=groups[0].group_size, symmetric=groups[0].symmetric, ct_groups=tuple(groups),
-                       ct_ignore=tuple(str(x) for x in qc.get("ignore") or ()))
+                       group_size=groups[0].group_size, symmetric=groups[0].symmetric, ct_groups=tuple(groups))
 
 
 # ------------------------------------------------------------------------------------------------ the store

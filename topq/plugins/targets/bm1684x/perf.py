@@ -109,12 +109,12 @@ def _as_mode(mode: QuantMode | str) -> QuantMode:
 class Calibration:
     """The model's free constants: one set for every model and every chip of the family (docs/perf.md)."""
 
-    cube_eff: float = 0.60  # fraction of peak_ops a matmul reaches on the cube
-    attn_eff: float = 0.35  # fraction of peak_ops fused attention (QKᵀ, PV) reaches
-    vector_eff: float = 0.50  # fraction of the EU's lanes × eu_bytes per cycle that vector ops reach
-    ddr_eff: float = 0.62  # achievable fraction of ddr_bandwidth
-    group_overhead_s: float = 10e-6  # fixed cost of one layer group (sync, instruction issue)
-    launch_s: float = 60e-6  # fixed cost of one function call (runtime launch)
+    cube_eff: float = 0.48  # fraction of peak_ops a matmul reaches on the cube
+    attn_eff: float = 0.19  # fraction of peak_ops fused attention (QKᵀ, PV) reaches
+    vector_eff: float = 0.50  # fraction of the EU's lanes × eu_bytes per cycle that vector ops reach (not fitted)
+    ddr_eff: float = 0.65  # achievable fraction of ddr_bandwidth
+    group_overhead_s: float = 1e-6  # fixed cost of one layer group (sync, instruction issue): the floor
+    launch_s: float = 10e-6  # fixed cost of one function call (runtime launch): the floor
     kv_per_query_head: bool = True  # attention streams K/V once per query head (GQA heads not batched)
 
 

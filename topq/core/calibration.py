@@ -1,0 +1,616 @@
+"""Calibration for data-driven weight quantization (GPTQ, AWQ, AutoRound): sample data and the layer loop.
+
+Data (`quant.calibration`): `samples` windows of `seq_len` tokens, chosen deterministically from `seed`, out of
+one token stream read from `data`:
+
+* a plain text file (any other suffix), tokenized with the checkpoint's tokenizer;
+* `.jsonl`: one JSON object per line with a string field `text` (each record tokenized on its own);
+* `.ids`: token ids as text, separated by whitespace and/or commas (models without a tokenizer, tests);
+* `.npy`: an integer numpy array of token ids (any shape, read flat);
+* a directory: every non-hidden file below it in sorted path order, each read by its suffix.
+
+The layer loop (`run_calibration`) keeps only one layer's activations: it embeds every window, then for each
+decoder layer and each of its quant groups (linears sharing an input, `ModelFamily.quant_groups`) it runs the
+layer on all windows — stopping as soon as that group's input has been seen — and accumulates what the solvers
+need (`InputStats`: H = mean xᵀx and mean |x| per channel; every algorithm here measures the layer-output error
+||X Wᵀ - X Ŵᵀ||² through H, exactly and over all tokens). Groups are solved in order ("true sequential"), so a
+group's inputs already come through the quantized groups before it; finally the whole layer runs once more with
+its quantized weights and that output feeds the next layer, so every layer is calibrated on what the quantized
+model will really see.
+
+Solvers live in the scheme plugins; they read weights and publish results through `LayerState`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm import tqdm
+
+from topq.core.errors import TopqError
+from topq.core.interpreter import Interpreter, Step
+from topq.core.ir import Function, Operation, Value
+from topq.core.quant import QuantizedWeight, QuantScheme
+from topq.core.quant_math import check_bits, output_error, quantize_groups, resolve_group_size
+from topq.core.reference_ops import gelu, silu
+from topq.core.stages import StageConfig, build_program, rope_weights
+
+if TYPE_CHECKING:
+    from topq.core.pipeline import LoadedModel
+    from topq.core.recipe import Recipe
+
+__all__ = [
+    "CalibrationResult", "FoldTarget", "GroupInputs", "InputStats", "LayerState", "calibration_scheme",
+    "calibration_windows", "read_token_stream", "run_calibration", "sample_windows", "scheme_options",
+]
+
+# ================================================================================ calibration data
+
+_ID_SEPARATORS = re.compile(r"[\s,]+")
+
+
+def read_token_stream(path: str | Path, tokenizer_files: Mapping[str, str] | None = None,
+                      vocab_size: int | None = None, progress: bool = True) -> np.ndarray:
+    """All tokens of `path` (file or directory) as one int64 stream; see the module doc for the formats."""
+    root = Path(path)
+    if not root.exists():
+        raise TopqError(f"calibration data not found: {root}")
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts))
+        if not files:
+            raise TopqError(f"calibration data directory {root} has no files")
+    else:
+        files = [root]
+    tokenizer = None
+    streams: list[np.ndarray] = []
+    for file in tqdm(files, desc="calibration data", unit="file", disable=not progress or len(files) < 2):
+        suffix = file.suffix.lower()
+        if suffix == ".npy":
+            streams.append(_read_npy(file))
+        elif suffix == ".ids":
+            streams.append(_read_ids(file))
+        else:
+            texts = _read_jsonl(file) if suffix == ".jsonl" else [_read_text(file)]
+            if tokenizer is None:
+                tokenizer = _tokenizer(tokenizer_files, file)
+            streams.extend(_tokenize(tokenizer, texts, file, progress))
+    tokens = np.concatenate(streams) if streams else np.zeros(0, dtype=np.int64)
+    if tokens.size == 0:
+        raise TopqError(f"calibration data {root} has no tokens")
+    if vocab_size is not None and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        bad = int(tokens.max()) if tokens.max() >= vocab_size else int(tokens.min())
+        raise TopqError(f"calibration data {root}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return tokens
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise TopqError(f"calibration data {file} is not UTF-8 text (token ids go in .ids or .npy files)") from None
+
+
+def _read_jsonl(file: Path) -> list[str]:
+    texts = []
+    for number, line in enumerate(_read_text(file).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TopqError(f"calibration data {file}:{number}: invalid JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise TopqError(f"calibration data {file}:{number}: expected an object with a string field 'text'")
+        texts.append(record["text"])
+    return texts
+
+
+def _read_ids(file: Path) -> np.ndarray:
+    words = [w for w in _ID_SEPARATORS.split(_read_text(file)) if w]
+    try:
+        return np.array([int(w) for w in words], dtype=np.int64)
+    except ValueError:
+        bad = next(w for w in words if not w.lstrip("+-").isdigit())
+        raise TopqError(f"calibration data {file}: {bad[:20]!r} is not a token id (.ids files hold integers)") from None
+
+
+def _read_npy(file: Path) -> np.ndarray:
+    try:
+        array = np.load(file, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise TopqError(f"calibration data {file}: not a numpy array file ({exc})") from None
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TopqError(f"calibration data {file}: token ids must be integers, got {array.dtype}")
+    return array.reshape(-1).astype(np.int64)
+
+
+def _tokenizer(files: Mapping[str, str] | None, source: Path) -> Any:
+    from topq.core.checkpoint import load_tokenizer
+
+    if not files:
+        raise TopqError(f"calibration data {source} is text but the checkpoint has no tokenizer; "
+                        "give token ids in a .ids or .npy file")
+    return load_tokenizer(files)
+
+
+_TEXT_CHUNK = 1 << 16  # characters per tokenizer call: keeps the progress bar moving on one big book
+
+
+def _tokenize(tokenizer: Any, texts: Sequence[str], source: Path, progress: bool) -> list[np.ndarray]:
+    chunks: list[str] = []
+    for text in texts:
+        # Cut long texts after paragraph breaks so a token never straddles two calls.
+        start = 0
+        while start < len(text):
+            end = len(text) if len(text) - start <= _TEXT_CHUNK else text.rfind("\n\n", start + 1, start + _TEXT_CHUNK)
+            end = start + _TEXT_CHUNK if end <= start else end + 2
+            chunks.append(text[start:end])
+            start = end
+    out = []
+    for chunk in tqdm(chunks, desc=f"tokenize {source.name}", unit="chunk", disable=not progress or len(chunks) < 4):
+        ids = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
+        out.append(np.asarray(ids, dtype=np.int64))
+    return out
+
+
+def sample_windows(tokens: np.ndarray, samples: int, seq_len: int, seed: int, source: str = "data") -> np.ndarray:
+    """`samples` non-overlapping windows [samples, seq_len] (int32) at random positions drawn from `seed`.
+
+    Windows never overlap, so every sample is distinct text; the free tokens between them are spread at random
+    (sorted gaps), which keeps the choice uniform over all non-overlapping placements."""
+    needed = samples * seq_len
+    if len(tokens) < needed:
+        raise TopqError(f"calibration data {source}: needs {needed} tokens ({samples} samples × {seq_len}), "
+                        f"has {len(tokens)}; lower quant.calibration.samples or seq_len")
+    rng = np.random.default_rng(seed)
+    gaps = np.sort(rng.integers(0, len(tokens) - needed + 1, size=samples))
+    starts = gaps + np.arange(samples) * seq_len
+    return np.stack([tokens[s:s + seq_len] for s in starts]).astype(np.int32)
+
+
+def calibration_windows(model: LoadedModel, recipe: Recipe, progress: bool = True) -> np.ndarray:
+    """The recipe's calibration samples for this model: int32 [samples, seq_len]."""
+    cal = recipe.quant.calibration
+    if cal.data is None:
+        raise TopqError(f"quant scheme {recipe.quant.scheme} needs calibration data: set quant.calibration.data")
+    tokens = read_token_stream(cal.data, model.checkpoint.tokenizer_files, model.spec.vocab_size, progress)
+    return sample_windows(tokens, int(cal.samples), int(cal.seq_len), int(cal.seed), str(cal.data))
+
+
+# ================================================================================ statistics
+
+
+class InputStats:
+    """Running statistics of one linear input x [tokens, K]: Gram matrix Σxᵀx (float64) and Σ|x|."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.gram = np.zeros((k, k), dtype=np.float64)
+        self.abs_sum = np.zeros(k, dtype=np.float64)
+        self.count = 0
+
+    def add(self, x: np.ndarray) -> None:
+        x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.k)
+        # float32 GEMM per sample (fast), accumulated across samples in float64 (no drift over many samples).
+        self.gram += x2.T @ x2
+        self.abs_sum += np.abs(x2).sum(axis=0, dtype=np.float64)
+        self.count += x2.shape[0]
+
+    def hessian(self) -> np.ndarray:
+        """H = mean xᵀx [K, K]: ||X Wᵀ - X Ŵᵀ||² / tokens = Σ_n ΔW_n H ΔW_nᵀ."""
+        if self.count == 0:
+            raise TopqError("calibration captured no inputs for a quant group")
+        return self.gram / self.count
+
+    def abs_mean(self) -> np.ndarray:
+        """Mean |x| per input channel (AWQ's activation salience)."""
+        return self.abs_sum / max(self.count, 1)
+
+
+# ================================================================================ layer state
+
+
+class CalibrationResult(dict[str, QuantizedWeight]):
+    """{linear weight name: QuantizedWeight} (what `QuantScheme.calibrate` returns), plus:
+
+    * `float_weights`: {name: float32 array} — non-quantized tensors the algorithm rewrote (AWQ folds its
+      per-channel scales into the RMSNorm weights and into biases); they replace the checkpoint's tensors.
+    * `report`: per linear, the calibration-set output error of plain RTN and of the algorithm.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.float_weights: dict[str, np.ndarray] = {}
+        self.report: list[dict[str, Any]] = []
+
+
+class LayerState:
+    """The model's weights as calibration changes them: quantized linears, rewritten float tensors.
+
+    Solvers read float weights with `float_weight`, publish with `set_quantized`/`set_quantized_rows`/`set_float`,
+    and fold scales into an earlier op with `scale_rows`. `version` changes on every write so the interpreter
+    knows to reload its weights."""
+
+    def __init__(self, model_weight: Callable[[str], np.ndarray], extra: Mapping[str, np.ndarray] | None = None) -> None:
+        self._model_weight = model_weight
+        self._extra = dict(extra or {})
+        self.result = CalibrationResult()
+        self._float_cache: dict[str, np.ndarray] = {}
+        self._dequant_cache: dict[str, np.ndarray] = {}
+        self.version = 0
+
+    def float_weight(self, name: str) -> np.ndarray:
+        """The float value of a tensor (rewritten if an algorithm rewrote it); callers must not modify it."""
+        if name in self.result.float_weights:
+            return self.result.float_weights[name]
+        if name in self._extra:
+            return self._extra[name]
+        array = self._float_cache.get(name)
+        if array is None:
+            array = self._float_cache[name] = np.asarray(self._model_weight(name), dtype=np.float32)
+        return array
+
+    def current_weight(self, name: str) -> np.ndarray:
+        """What the model computes with right now: dequantized for a quantized linear, else the float value."""
+        qw = self.result.get(name)
+        if qw is None:
+            return self.float_weight(name)
+        array = self._dequant_cache.get(name)
+        if array is None:
+            array = self._dequant_cache[name] = qw.dequantize()
+        return array
+
+    def has(self, name: str) -> bool:
+        if name in self.result or name in self.result.float_weights or name in self._extra:
+            return True
+        try:
+            self._model_weight(name)
+        except TopqError:
+            return False
+        return True
+
+    def set_quantized(self, name: str, qw: QuantizedWeight) -> None:
+        self.result[name] = qw
+        self._dequant_cache.pop(name, None)
+        self.version += 1
+
+    def set_quantized_rows(self, names: Sequence[str], stacked: QuantizedWeight) -> None:
+        """Split a QuantizedWeight solved for linears stacked along N back into one per linear."""
+        start = 0
+        for name in names:
+            rows = self.float_weight(name).shape[0]
+            part = slice(start, start + rows)
+            self.set_quantized(name, QuantizedWeight(
+                codes=stacked.codes[part], scales=stacked.scales[part], zeros=stacked.zeros[part],
+                bits=stacked.bits, group_size=stacked.group_size, symmetric=stacked.symmetric, g_idx=stacked.g_idx))
+            start += rows
+        if start != stacked.codes.shape[0]:
+            raise TopqError(f"solver returned {stacked.codes.shape[0]} rows for {', '.join(names)} ({start} expected)")
+
+    def set_float(self, name: str, array: np.ndarray) -> None:
+        self.result.float_weights[name] = np.asarray(array, dtype=np.float32)
+        self.version += 1
+
+    def scale_rows(self, name: str, factor: np.ndarray) -> None:
+        """Multiply output row n of tensor `name` by factor[n] (a 1-D tensor: element n). A quantized linear
+        keeps its codes: its per-row scales absorb the factor exactly."""
+        factor = np.asarray(factor, dtype=np.float64)
+        qw = self.result.get(name)
+        if qw is not None:
+            scales = (qw.scales.astype(np.float64) * factor[:, None]).astype(np.float32)
+            self.set_quantized(name, QuantizedWeight(qw.codes, scales, qw.zeros, qw.bits, qw.group_size,
+                                                     qw.symmetric, qw.g_idx))
+            return
+        array = self.float_weight(name).astype(np.float64)
+        shape = (-1,) + (1,) * (array.ndim - 1)
+        self.set_float(name, array * factor.reshape(shape))
+
+    def record(self, names: Sequence[str], weights: Sequence[np.ndarray], effective: Sequence[np.ndarray],
+               h: np.ndarray, bits: int, group_size: int | None, symmetric: bool) -> None:
+        """Log each linear's calibration output error next to plain RTN's (both through the same H)."""
+        for name, w, w_eff in zip(names, weights, effective):
+            base = rtn_error = float(output_error(w, quantize_groups(w, bits, group_size, symmetric).dequantize(),
+                                                  h).sum())
+            error = float(output_error(w, w_eff, h).sum())
+            self.result.report.append({"name": name, "rtn_error": rtn_error, "error": error,
+                                       "ratio": error / base if base > 0 else 0.0})
+
+    def end_layer(self) -> None:
+        """Drop cached float copies of the finished layer (memory stays at one layer's weights)."""
+        self._float_cache.clear()
+        self._dequant_cache.clear()
+
+
+# ================================================================================ the graph side
+
+
+@dataclass(frozen=True)
+class FoldTarget:
+    """Where a per-input-channel scale s of a group can be undone (AWQ: x/s happens in the producer of x).
+
+    kind "norm": the group's input is RMSNorm(x)·w (or LayerNorm): divide `weight` (and `bias`) by s.
+    kind "rows": the input channels are output rows of a linear (`weight` [R, ·], `bias`): divide rows by s_r.
+    `tie` maps the group's K input channels to the R producer channels when several inputs share one producer
+    channel (grouped-query attention: every query head of a group reads the same value head); s must then be
+    equal across tied channels, s = s_r[tie]. None means one-to-one.
+    """
+
+    kind: str
+    weight: str
+    bias: str | None = None
+    tie: np.ndarray | None = None
+
+
+@dataclass
+class GroupInputs:
+    """One quant group of one layer as a solver sees it."""
+
+    layer: int
+    keys: tuple[str, ...]
+    names: tuple[str, ...]
+    stats: InputStats
+    fold: FoldTarget | None = None
+
+
+@dataclass
+class _GroupPlan:
+    keys: tuple[str, ...]
+    names: tuple[str, ...]
+    op: Operation  # the op whose input is captured
+    kind: str  # "input": operand 0; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside a top.MLP
+    k: int
+    fold: FoldTarget | None = None
+
+
+def _weight_name(value: Value) -> str | None:
+    owner = value.owner
+    if isinstance(owner, Operation) and owner.name == "top.Weight":
+        return str(owner.attrs["name"])
+    return None
+
+
+def _consumers(function: Function) -> dict[int, list[Operation]]:
+    users: dict[int, list[Operation]] = {}
+    for op in function.ops:
+        for v in op.operands:
+            users.setdefault(id(v), []).append(op)
+    for v in function.results:
+        users.setdefault(id(v), []).append(None)  # type: ignore[arg-type]  # a function output
+    return users
+
+
+def _find_groups(function: Function, family: Any, spec: Any, layer: int) -> list[_GroupPlan]:
+    """The quant groups of one block function, in execution order, with what to capture and where to fold."""
+    uses: dict[str, tuple[Operation, str]] = {}  # weight name → (op, role)
+    for op in function.ops:
+        if op.name == "top.MatMul":
+            name = _weight_name(op.operands[1])
+            if name:
+                uses[name] = (op, "matmul")
+        elif op.name == "top.MLP":
+            for role, v in zip(("gate", "up", "down"), op.operands[1:4]):
+                name = _weight_name(v)
+                if name:
+                    uses[name] = (op, role)
+    key_of = {template.format(i=layer): key for key, template in family.layer_weights.items()}
+    groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in uses if n in key_of]
+    covered = {k for g in groups for k in g}
+    groups += [(key_of[n],) for n in uses if n in key_of and key_of[n] not in covered]
+    users = _consumers(function)
+    order = {id(op): i for i, op in enumerate(function.ops)}
+    plans = []
+    for keys in groups:
+        names = tuple(family.layer_weights[key].format(i=layer) for key in keys)
+        missing = [n for n in names if n not in uses]
+        if missing:
+            raise TopqError(f"quant group {'/'.join(keys)}: {missing[0]} is not a linear of block_{layer}")
+        roles = {uses[n][1] for n in names}
+        ops = {id(uses[n][0]): uses[n][0] for n in names}
+        if roles == {"down"}:
+            op = uses[names[0]][0]
+            plans.append(_GroupPlan(keys, names, op, "mlp_hidden", op.operands[3].shape[-1],
+                                    FoldTarget("rows", _weight_name(op.operands[2]) or "")))
+            continue
+        inputs = {id(op.operands[0]) for op in ops.values()}
+        if len(inputs) != 1 or not roles <= {"matmul", "gate", "up"}:
+            raise TopqError(f"quant group {'/'.join(keys)} of block_{layer} does not share one input")
+        first = min(ops.values(), key=lambda o: order[id(o)])
+        x = first.operands[0]
+        plans.append(_GroupPlan(keys, names, first, "input", x.shape[-1],
+                                _fold_target(x, set(ops), users, spec)))
+    plans.sort(key=lambda p: order[id(p.op)] + (0.5 if p.kind == "mlp_hidden" else 0))
+    return plans
+
+
+def _fold_target(x: Value, group_ops: set[int], users: Mapping[int, list[Operation]], spec: Any) -> FoldTarget | None:
+    """Where x's producer can absorb a per-channel 1/s, if anywhere (x must feed only this group)."""
+    if any(u is None or id(u) not in group_ops for u in users.get(id(x), [])):
+        return None
+    producer = x.owner
+    if not isinstance(producer, Operation):
+        return None
+    if producer.name == "top.RMSNorm" and len(producer.operands) == 2:
+        weight = _weight_name(producer.operands[1])
+        return FoldTarget("norm", weight) if weight else None
+    if producer.name == "top.LayerNorm" and len(producer.operands) == 3:
+        weight, bias = _weight_name(producer.operands[1]), _weight_name(producer.operands[2])
+        return FoldTarget("norm", weight, bias) if weight and bias else None
+    if producer.name == "top.FAttention" and len(producer.operands) == 3:
+        # o_proj's input channel (head h, dim d) is a weighted sum of value channel (h // group, d): scaling value
+        # row r by 1/s_r scales it exactly. Only when v comes straight from a linear (reshaped to heads).
+        v = producer.operands[2]
+        reshape = v.owner
+        if not (isinstance(reshape, Operation) and reshape.name == "top.Reshape"):
+            return None
+        if any(u is not producer for u in users.get(id(v), [])) or len(users.get(id(reshape.operands[0]), [])) != 1:
+            return None
+        linear = reshape.operands[0].owner
+        if not (isinstance(linear, Operation) and linear.name == "top.MatMul"
+                and linear.attrs.get("right_transpose")):
+            return None
+        weight = _weight_name(linear.operands[1])
+        bias = _weight_name(linear.operands[2]) if len(linear.operands) > 2 else None
+        if weight is None:
+            return None
+        q_head, kv_head = int(producer.attrs["q_head"]), int(producer.attrs["kv_head"])
+        d = v.shape[-1]
+        channel = np.arange(q_head * d)
+        tie = (channel // d) // (q_head // kv_head) * d + channel % d
+        return FoldTarget("rows", weight, bias, tie)
+    return None
+
+
+# ================================================================================ running a layer
+
+
+class _StopLayer(Exception):
+    """Raised by the capture hook once the wanted input is seen: the rest of the layer is not needed."""
+
+
+_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "silu": silu, "gelu": lambda x: gelu(x, "none"), "gelu_tanh": lambda x: gelu(x, "tanh")}
+
+
+class _CaptureInterpreter(Interpreter):
+    """The reference interpreter reading weights from a LayerState and feeding one group's input to InputStats."""
+
+    def __init__(self, module: Any, state: LayerState) -> None:
+        super().__init__(module, state.current_weight)
+        self.state = state
+        self._version = state.version
+        self.plan_: _GroupPlan | None = None
+        self.stats: InputStats | None = None
+
+    def load_weight(self, op: Operation) -> np.ndarray:
+        array = self.state.current_weight(op.attrs["name"])
+        if tuple(array.shape) != tuple(op.results[0].type.shape):
+            raise TopqError(f"weight {op.attrs['name']} has shape {list(array.shape)}, "
+                            f"the program expects {list(op.results[0].type.shape)}")
+        return array
+
+    def capture(self, plan: _GroupPlan | None, stats: InputStats | None) -> None:
+        self.plan_, self.stats = plan, stats
+
+    def run(self, name: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if self.state.version != self._version:  # weights changed: rebuild plans (they hold the weight arrays)
+            self._plans.clear()
+            self._version = self.state.version
+        return super().run(name, inputs)
+
+    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        plan = self.plan_
+        if plan is not None and step.op is plan.op:
+            assert self.stats is not None
+            if plan.kind == "input":
+                self.stats.add(inputs[0])
+            else:
+                x, wg, wu = inputs[0], inputs[1], inputs[2]
+                act = _ACTS[str(step.attrs.get("act", "silu"))]
+                x2 = x.reshape(-1, x.shape[-1])
+                self.stats.add(act(x2 @ wg.T) * (x2 @ wu.T))
+            raise _StopLayer
+        return step.kernel(inputs, step.attrs)
+
+
+GroupSolver = Callable[[GroupInputs, LayerState, Mapping[str, Any]], None]
+
+
+def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver, options: Mapping[str, Any],
+                    progress: bool = True, desc: str = "calibrate") -> CalibrationResult:
+    """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc)."""
+    windows = np.asarray(windows, dtype=np.int32)
+    samples, seq_len = windows.shape
+    spec, family = model.spec, model.family
+    shapes = {name: model.checkpoint.weights.shape(name) for name in model.checkpoint.weights.names()}
+    module = build_program(spec, family, StageConfig(seq_len, seq_len, False, ()), shapes)
+    state = LayerState(model.weight, rope_weights(spec, seq_len))
+    interp = _CaptureInterpreter(module, state)
+    hidden = np.stack([interp.run("embedding", [w[None]])[0][0] for w in windows])  # [samples, L, H]
+    positions = np.arange(seq_len, dtype=np.int32)[None]
+    plans = [_find_groups(module[f"block_{i}"], family, spec, i) for i in range(spec.num_layers)]
+    bar = tqdm(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
+    try:
+        for layer, layer_plans in enumerate(plans):
+            name = f"block_{layer}"
+            for plan in layer_plans:
+                stats = InputStats(plan.k)
+                interp.capture(plan, stats)
+                for s in range(samples):
+                    try:
+                        interp.run(name, [hidden[s:s + 1], positions])
+                    except _StopLayer:
+                        pass
+                interp.capture(None, None)
+                bar.set_postfix_str(f"layer {layer} {'/'.join(plan.keys)}")
+                solve(GroupInputs(layer, plan.keys, plan.names, stats, plan.fold), state, options)
+                bar.update()
+            for s in range(samples):  # the quantized layer's output is the next layer's input
+                hidden[s] = interp.run(name, [hidden[s:s + 1], positions])[0][0]
+            state.end_layer()
+            bar.update()
+    finally:
+        bar.close()
+    return state.result
+
+
+# ================================================================================ schemes
+
+
+def scheme_options(recipe: Recipe) -> dict[str, Any]:
+    """The `quant` options a calibrated weight-only scheme uses, checked and defaulted."""
+    q = recipe.quant
+    bits = 4 if q.bits is None else int(q.bits)
+    if bits not in (4, 8):
+        raise TopqError(f"quant.bits must be 4 or 8 for scheme {q.scheme}, got {bits}")
+    act_dtype = q.act_dtype or "bf16"
+    if act_dtype not in ("bf16", "f16", "f32"):
+        raise TopqError(f"quant.act_dtype must be bf16, f16 or f32, got {act_dtype!r}")
+    iters = int(q.iters)
+    return {
+        "bits": bits,
+        "group_size": int(q.group_size),
+        "symmetric": bool(q.symmetric),
+        "act_dtype": act_dtype,
+        "act_order": bool(q.act_order),
+        "damp": float(q.damp),
+        "block_size": int(q.block_size),
+        "clip": bool(q.clip),
+        "iters": iters,
+        "lr": float(q.lr) if q.lr is not None else 1.0 / max(iters, 1),
+    }
+
+
+_COMMON_OPTIONS = ("bits", "group_size", "symmetric", "act_dtype", "calibration")
+
+
+def calibration_scheme(name: str, description: str, solve: GroupSolver,
+                       extra_options: tuple[str, ...] = ()) -> QuantScheme:
+    """A weight-only QuantScheme whose `calibrate` runs the layer loop with `solve`.
+
+    The rewritten float tensors (`CalibrationResult.float_weights`) are also put into `model.extra_weights`,
+    which `LoadedModel.weight` reads before the checkpoint: every target then compiles the rewritten values."""
+
+    def calibrate(model: LoadedModel, recipe: Recipe) -> CalibrationResult:
+        options = scheme_options(recipe)
+        windows = calibration_windows(model, recipe)
+        result = run_calibration(model, windows, solve, options, desc=name)
+        model.extra_weights.update(result.float_weights)
+        return result
+
+    def quantize(weight: np.ndarray, options: Mapping[str, Any]) -> QuantizedWeight:
+        # Weights outside the decoder layers (e.g. `quant.lm_head: gptq`) have no calibration: round to nearest.
+        bits = options.get("bits") or 4
+        return quantize_groups(weight, check_bits(bits), resolve_group_size(options.get("group_size"),
+                                                                             weight.shape[1]),
+                               bool(options.get("symmetric", False)))
+
+    return QuantScheme(name, description, compute_dtype="bf16", weight_bits=4,
+                       options=_COMMON_OPTIONS + extra_options, needs_calibration=True,
+                       quantize=quantize, calibrate=calibrate)

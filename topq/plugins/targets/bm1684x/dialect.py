@@ -1,0 +1,170 @@
+"""The `tpu` dialect of the BM1684X family, declared as data (names as in TPU-MLIR where one exists).
+
+Every compute op carries `dtype`: the storage dtype of its result and of its float weights, and the operand dtype
+of its MACs (f32 accumulation is implied). The passes add `group` (layer-group id), `tiling` ([seq, channel]
+slices of an op that does not fit local memory alone) and `addr` / `addrs` (DDR byte addresses of the results; a
+result without one lives in local memory inside its layer group).
+
+Ops with a different shape from their Top counterpart:
+
+* `tpu.A16MatMul(x, weight, scale[, zp][, bias])`: weight-only quantized linear. weight `[N, K*bits/8]` ui8 (W4:
+  the even-k code in the low nibble; signed codes when `symmetric`), scale `[N, K/group_size]` in `dtype`, zp
+  `[N, K/group_size]` ui8 only when asymmetric. `tpu.A16MLP` is the fused gated MLP with three such weights.
+* `tpu.FAttention(q, k, v[, mask][, history_k, history_v])`: with `history = S > 0` the keys are the S history rows
+  followed by the new k; the history operands are the layer's KV-cache region itself (no concat copy).
+* `tpu.KVStore(x, positions)`: writes the new k or v rows into the layer's KV-cache region at row positions[0, 0]
+  (rows past the region's `rows` are dropped). No result: it is a side effect on the persistent cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import topq.core.top_ops as top
+from topq.core.catalogue import AttrSpec, InferError, InferFn, define
+from topq.core.types import TensorType, Type
+from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES
+
+A = AttrSpec
+
+#: attributes the passes add to any op
+PASS_ATTRS: dict[str, AttrSpec] = {
+    "group": A("int", None),
+    "tiling": A("ints", None),
+    "addr": A("int", None),
+    "addrs": A("ints", None),
+}
+DTYPE = A("str", choices=FLOAT_DTYPES)
+OUT_DTYPE = A("str", None, FLOAT_DTYPES)
+QUANT = {"weight_bits": A("int", choices=(4, 8)), "group_size": A("int"), "symmetric": A("bool", False)}
+
+
+def _typed(infer: InferFn) -> InferFn:
+    """Top's shape inference with float results in the op's (out_)dtype."""
+
+    def typed(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+        out = infer(types, attrs) or []
+        dtype = attrs.get("out_dtype") or attrs["dtype"]
+        return [t.with_dtype(dtype) if isinstance(t, TensorType) and t.dtype in FLOAT_DTYPES else t for t in out]
+
+    return typed
+
+
+def _tensors(types: Sequence[Type]) -> list[TensorType]:
+    if not all(isinstance(t, TensorType) for t in types):
+        raise InferError("expected tensor operands")
+    return list(types)  # type: ignore[arg-type]
+
+
+def _check_quant_weight(w: TensorType, scale: TensorType, zp: TensorType | None, attrs: dict[str, Any],
+                        k: int | None = None) -> tuple[int, int]:
+    """(N, K) of a packed weight, checking scale / zp shapes."""
+    bits, group = attrs["weight_bits"], attrs["group_size"]
+    if w.rank != 2 or w.dtype not in ("ui8", "i8"):
+        raise InferError(f"packed weight must be 2-D ui8/i8, got {w}")
+    n, k_w = w.shape[0], w.shape[1] * 8 // bits
+    if k is not None and k != k_w:
+        raise InferError(f"packed weight holds K = {k_w}, the input has {k}")
+    if group <= 0 or k_w % group:
+        raise InferError(f"group_size {group} does not divide K = {k_w}")
+    if scale.shape != (n, k_w // group):
+        raise InferError(f"scale {list(scale.shape)} does not match [{n}, {k_w // group}]")
+    if (zp is None) != bool(attrs.get("symmetric", False)):
+        raise InferError("asymmetric weights need a zero-point operand, symmetric ones none")
+    if zp is not None and (zp.shape != scale.shape or zp.dtype != "ui8"):
+        raise InferError(f"zero points must be ui8 {list(scale.shape)}, got {zp}")
+    return n, k_w
+
+
+def _a16matmul(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, w, scale, *rest = _tensors(types)
+    symmetric = attrs.get("symmetric", False)
+    zp = None if symmetric else (rest.pop(0) if rest else None)
+    n, _ = _check_quant_weight(w, scale, zp, attrs, x.shape[-1])
+    if bool(rest) != attrs.get("has_bias", False):
+        raise InferError("bias operand and has_bias disagree")
+    if rest and rest[0].shape != (n,):
+        raise InferError(f"bias {list(rest[0].shape)} does not match N = {n}")
+    return [x.with_shape(x.shape[:-1] + (n,)).with_dtype(attrs.get("out_dtype") or attrs["dtype"])]
+
+
+def _a16mlp(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, *rest = _tensors(types)
+    per = 2 if attrs.get("symmetric", False) else 3
+    if len(rest) != 3 * per:
+        raise InferError(f"A16MLP takes x and 3 weights of {per} tensors each, got {len(types)} operands")
+    weights = [rest[i * per:(i + 1) * per] for i in range(3)]
+    dims = [_check_quant_weight(w[0], w[1], w[2] if per == 3 else None, attrs) for w in weights]
+    (ng, kg), (nu, ku), (nd, kd) = dims
+    h = x.shape[-1]
+    if (kg, ku, nd) != (h, h, h) or ng != nu or kd != ng:
+        raise InferError(f"A16MLP weights {dims} do not fit hidden {h}")
+    return [x.with_dtype(attrs["dtype"])]
+
+
+def _fattention(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    q, k, v, *rest = _tensors(types)
+    history = attrs.get("history", 0)
+    mask = rest[0] if attrs.get("has_mask", False) and rest else None
+    want = (1 if attrs.get("has_mask", False) else 0) + (2 if history else 0)
+    if len(rest) != want:
+        raise InferError(f"FAttention expects {3 + want} operands for has_mask/history, got {len(types)}")
+    if history:
+        hk, hv = rest[-2:]
+        expected = (k.shape[0], history, k.shape[2], k.shape[3])
+        if hk.shape != expected or hv.shape != expected:
+            raise InferError(f"history k/v must be {list(expected)}, got {list(hk.shape)} and {list(hv.shape)}")
+    total = k.with_shape((k.shape[0], history + k.shape[1]) + k.shape[2:])  # the keys the op attends to
+    operands = [q, total, total] + ([mask] if mask is not None else [])
+    return _typed(top._fattention)(operands, attrs)
+
+
+def _kvstore(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, positions = _tensors(types)
+    if x.rank != 4 or positions.shape != x.shape[:2] or positions.dtype != "i32":
+        raise InferError(f"KVStore takes x [1, L, KVH, D] and positions [1, L] i32, got {x} and {positions}")
+    if x.dtype != attrs["dtype"]:
+        raise InferError(f"KVStore of {x.dtype} values into a {attrs['dtype']} cache")
+    return []
+
+
+def _cast(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    return [_tensors(types)[0].with_dtype(attrs["dtype"])]
+
+
+def _tpu(name: str, operands: int | tuple[int, int | None], infer: Callable[..., list[Type]] | None,
+         attrs: dict[str, AttrSpec] | None = None, results: int | None = 1, dtype: bool = True, doc: str = "") -> None:
+    spec = dict(attrs or {})
+    if dtype:
+        spec["dtype"] = DTYPE
+    define(f"tpu.{name}", operands, results, {**spec, **PASS_ATTRS}, infer, doc=doc)
+
+
+_tpu("Weight", 0, None, {"name": A("str")}, dtype=False, doc="a tensor of the bundle, at `addr` in the coefficient region")
+_tpu("Gather", 2, _typed(top._gather), {"axis": A("int", 0)})
+_tpu("RMSNorm", (1, 2), _typed(top._norm), {"eps": A("float", 1e-6)}, doc="f32 statistics")
+_tpu("LayerNorm", (1, 3), _typed(top._norm), {"eps": A("float", 1e-5)}, doc="f32 statistics")
+_tpu("MatMul", (2, 3), _typed(top._matmul), {"right_transpose": A("bool", False), "out_dtype": OUT_DTYPE})
+_tpu("A16MatMul", (3, 5), _a16matmul, {**QUANT, "has_bias": A("bool", False), "out_dtype": OUT_DTYPE})
+_tpu("MLP", 4, _typed(top._mlp), {"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))},
+     doc="gate/up/down matmuls; gate, up, act and act*up rounded to dtype; the activation in f32")
+_tpu("A16MLP", (7, 10), _a16mlp, {**QUANT, "act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))})
+_tpu("Add", 2, _typed(top._elementwise))
+_tpu("Mul", 2, _typed(top._elementwise))
+_tpu("MulConst", 1, _typed(top._same), {"const_val": A("float")})
+_tpu("SiLU", 1, _typed(top._same), doc="evaluated in f32")
+_tpu("GELU", 1, _typed(top._same), {"approximate": A("str", "none", ("none", "tanh"))})
+_tpu("Softmax", 1, _typed(top._same), {"axis": A("int", -1)}, doc="f32 exp and sum")
+_tpu("Cast", 1, _cast)
+_tpu("Reshape", 1, top._reshape, {"shape": A("ints")}, dtype=False, doc="a view: shares its operand's memory")
+_tpu("Permute", 1, top._permute, {"order": A("ints")}, dtype=False)
+_tpu("Slice", 1, top._slice, {"offset": A("ints"), "ends": A("ints"), "steps": A("ints")}, dtype=False)
+_tpu("Concat", (1, None), top._concat, {"axis": A("int")}, dtype=False)
+_tpu("Rope", 3, _typed(top._rope), {"mode": A("str", "contiguous_halves", ("contiguous_halves", "interleaved_pairs"))})
+_tpu("FAttention", (3, 6), _fattention,
+     {"q_head": A("int"), "kv_head": A("int"), "scale": A("float"), "causal": A("bool", True),
+      "has_mask": A("bool", False), "history": A("int", 0)},
+     doc="f32 scores and softmax; probabilities rounded to dtype before the PV matmul")
+_tpu("TopK", 1, _typed(top._topk), {"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)}, results=2)
+_tpu("KVStore", 2, _kvstore, {"layer": A("int"), "kind": A("str", choices=("k", "v")), "rows": A("int")}, results=0)

@@ -1,0 +1,269 @@
+"""Top → tpu lowering for one mode (f32, bf16, f16, w8bf16, w4bf16, w8f16, w4f16), as pattern tables.
+
+Choices (those of BM1684X's compiler for LLMs):
+
+* every activation, float weight (norms, biases, embeddings, RoPE tables) and the KV cache is stored in the mode's
+  dtype; ops compute norms / softmax / SiLU in f32 and matmuls accumulate in f32, then round at the op boundary;
+* linears the pipeline quantized (`job.quantized(name)`, which applies `quant.lm_head` too) become
+  `tpu.A16MatMul` on packed weights, the others `tpu.MatMul` on dtype weights;
+* `top.MLP` stays fused (`tpu.MLP` / `tpu.A16MLP`): the [L, intermediate] gate/up/act tensors never leave local
+  memory, which is the point of the fused kernel and halves the emulator's DDR traffic for decode. A mixed MLP
+  (some weights quantized, some not) is split into matmuls + activation + Mul;
+* the lm_head matmul writes f32 logits (sampling wants them; rounding logits to bf16 flips near-ties);
+* `top.Concat(history, new)` feeding `top.FAttention` disappears: the attention reads the history straight from
+  the layer's KV-cache region and `tpu.KVStore` writes the new rows into it (no copy of the cache per call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from topq.core.builder import Builder
+from topq.core.errors import TopqError
+from topq.core.ir import Block, Function, Module, Operation, Value
+from topq.core.quant import QuantizedWeight, round_to_dtype
+from topq.core.rewrite import Rewriter, apply_patterns
+from topq.core.target import CompileJob
+from topq.core.types import TensorType
+from topq.plugins.targets.bm1684x import dialect  # noqa: F401  (registers the tpu ops)
+from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES, NP_DTYPES, Mode
+from topq.plugins.targets.bm1684x.packing import check_quantized, pack, packed_shapes
+
+Pattern = Callable[[Operation, Rewriter], bool]
+
+#: ops kept even when their results are unused
+SIDE_EFFECTS = frozenset({"tpu.KVStore"})
+#: Top ops whose tpu op has the same operands and attributes (plus `dtype` unless listed in NO_DTYPE)
+SAME_SHAPE = ("Gather", "RMSNorm", "LayerNorm", "Add", "Mul", "MulConst", "SiLU", "GELU", "Softmax", "Rope",
+              "Reshape", "Permute", "Slice", "Concat", "TopK")
+NO_DTYPE = frozenset({"Reshape", "Permute", "Slice", "Concat"})
+SUFFIX = {"weight": ".packed", "scale": ".scale", "zp": ".zp"}
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """How codegen makes one bundle tensor: a float weight in `dtype`, or one part of a packed quantized weight."""
+
+    source: str  # the checkpoint weight name
+    part: str  # "float", "weight", "scale" or "zp"
+    type: TensorType
+
+
+def weight_source(value: Value) -> str | None:
+    """The checkpoint name of a weight operand (float weights keep their checkpoint name in the bundle)."""
+    owner = value.owner
+    if isinstance(owner, Operation) and owner.name in ("top.Weight", "tpu.Weight"):
+        return str(owner.attrs["name"])
+    return None
+
+
+def history_of(value: Value) -> tuple[Value, Value] | None:
+    """(history arg, new rows) when `value` is the stage template's Concat(history, new) along the sequence axis."""
+    owner = value.owner
+    if not isinstance(owner, Operation) or owner.name not in ("top.Concat", "tpu.Concat") or len(owner.operands) != 2:
+        return None
+    if owner.attrs.get("axis") not in (1, -3):
+        return None
+    history, new = owner.operands
+    return (history, new) if isinstance(history.owner, Block) else None
+
+
+class Lowering:
+    """Lower a Top module in place to the tpu dialect of one mode; remembers which tensors codegen must emit."""
+
+    def __init__(self, job: CompileJob, mode: Mode) -> None:
+        self.job = job
+        self.mode = mode
+        self.dtype = mode.dtype
+        self.sources: dict[str, TensorSource] = {}
+        self._quant: dict[str, QuantizedWeight | None] = {}
+        self._packed: dict[str, dict[str, np.ndarray]] = {}
+
+    # -- driver ----------------------------------------------------------------------------------------
+    def run(self, module: Module) -> None:
+        for function in module:
+            for arg in function.args:  # activations cross function boundaries in the mode's dtype
+                if isinstance(arg.type, TensorType) and arg.type.dtype in FLOAT_DTYPES:
+                    arg.type = arg.type.with_dtype(self.dtype)
+        apply_patterns(module, self.table())
+        for function in module:
+            for op in function.walk():
+                if not op.name.startswith("tpu."):
+                    raise TopqError(f"bm1684x has no lowering for {op.name} (in @{function.name})")
+            eliminate_dead_ops(function)
+            insert_kv_stores(function, int(module.attrs.get("topq.seq_length", 0)), self.dtype)
+
+    def table(self) -> dict[str, list[Pattern]]:
+        table: dict[str, list[Pattern]] = {f"top.{name}": [self._same(name)] for name in SAME_SHAPE}
+        table["top.Input"] = [lambda op, rw: (rw.replace(op, [op.operands[0]]), True)[1]]
+        table["top.Weight"] = [self._weight]
+        table["top.MatMul"] = [self._matmul]
+        table["top.MLP"] = [self._mlp]
+        table["top.FAttention"] = [self._fattention]
+        return table
+
+    # -- weights ---------------------------------------------------------------------------------------
+    def quantized(self, source: str | None) -> QuantizedWeight | None:
+        if source is None:
+            return None
+        if source not in self._quant:
+            q = self.job.quantized(source)
+            if q is not None:
+                check_quantized(q, source)
+            self._quant[source] = q
+        return self._quant[source]
+
+    def float_weight(self, b: Builder, source: str, shape: tuple[int, ...]) -> Value:
+        t = TensorType(tuple(shape), self.dtype)
+        self._record(source, TensorSource(source, "float", t))
+        return b.op("tpu.Weight", result_types=[t], name=source)
+
+    def packed_weight(self, b: Builder, source: str, q: QuantizedWeight) -> list[Value]:
+        n, k = q.codes.shape
+        shapes = packed_shapes(n, k, q.bits, q.group_size)
+        dtypes = {"weight": "i8" if q.symmetric and q.bits == 8 else "ui8", "scale": self.dtype, "zp": "ui8"}
+        values = []
+        for part in ("weight", "scale") if q.symmetric else ("weight", "scale", "zp"):
+            name = source + SUFFIX[part]
+            t = TensorType(shapes[part], dtypes[part])
+            self._record(name, TensorSource(source, part, t))
+            values.append(b.op("tpu.Weight", result_types=[t], name=name))
+        return values
+
+    def _record(self, name: str, src: TensorSource) -> None:
+        if self.sources.setdefault(name, src) != src:
+            raise TopqError(f"tensor {name} is needed as both {self.sources[name].type} and {src.type}")
+
+    def tensor_types(self, module: Module) -> dict[str, TensorType]:
+        """The bundle tensors the lowered module references (after dead-op elimination), in first-use order."""
+        out: dict[str, TensorType] = {}
+        for function in module:
+            for op in function.ops:
+                if op.name == "tpu.Weight":
+                    out.setdefault(op.attrs["name"], op.results[0].type)  # type: ignore[arg-type]
+        return out
+
+    def tensors(self, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+        """The arrays of the given tensors, packed or rounded to the mode's dtype, each produced once."""
+        for name in names:
+            src = self.sources[name]
+            if src.part == "float":
+                array = round_to_dtype(self.job.weights(src.source), self.dtype).astype(NP_DTYPES[self.dtype])
+            else:
+                if src.source not in self._packed:
+                    q = self.quantized(src.source)
+                    assert q is not None
+                    self._packed = {src.source: pack(q, self.dtype, src.source)}  # one weight's parts at a time
+                array = self._packed[src.source][src.part]
+            if tuple(array.shape) != src.type.shape or array.dtype != src.type.np_dtype:
+                raise TopqError(f"tensor {name}: produced {array.dtype}{list(array.shape)}, the program expects "
+                                f"{src.type}")
+            yield name, np.ascontiguousarray(array)
+
+    # -- patterns --------------------------------------------------------------------------------------
+    def _same(self, name: str) -> Pattern:
+        def pattern(op: Operation, rw: Rewriter) -> bool:
+            attrs = dict(op.attrs)
+            if name not in NO_DTYPE:
+                attrs["dtype"] = self.dtype
+            new = rw.builder.create(f"tpu.{name}", op.operands, attrs, loc=op.loc)
+            rw.replace(op, new.results)
+            return True
+
+        return pattern
+
+    def _weight(self, op: Operation, rw: Rewriter) -> bool:
+        value = self.float_weight(rw.builder, op.attrs["name"], op.results[0].type.shape)  # type: ignore[union-attr]
+        rw.replace(op, [value])
+        return True
+
+    def _linear(self, b: Builder, x: Value, w: Value, bias: list[Value], loc: str | None,
+                out_dtype: str | None = None) -> Value:
+        """x @ wᵀ (+ bias) for a weight [N, K]: A16MatMul when the pipeline quantized it, MatMul otherwise."""
+        source = weight_source(w)
+        q = self.quantized(source)
+        if q is None:
+            return b.op("tpu.MatMul", x, w, *bias, right_transpose=True, dtype=self.dtype, out_dtype=out_dtype,
+                        loc=loc)
+        assert source is not None
+        parts = self.packed_weight(b, source, q)
+        return b.op("tpu.A16MatMul", x, *parts, *bias, dtype=self.dtype, out_dtype=out_dtype,
+                    weight_bits=q.bits, group_size=q.group_size, symmetric=q.symmetric, has_bias=bool(bias), loc=loc)
+
+    def _matmul(self, op: Operation, rw: Rewriter) -> bool:
+        x, w, *bias = op.operands
+        out_dtype = "f32" if (op.loc or "").endswith("lm_head") and self.dtype != "f32" else None
+        if not op.attrs.get("right_transpose") or len(w.shape) != 2 or weight_source(w) is None:
+            new = rw.builder.create("tpu.MatMul", op.operands, {**op.attrs, "dtype": self.dtype,
+                                                                 "out_dtype": out_dtype}, loc=op.loc)
+            rw.replace(op, new.results)
+            return True
+        rw.replace(op, [self._linear(rw.builder, x, w, bias, op.loc, out_dtype)])
+        return True
+
+    def _mlp(self, op: Operation, rw: Rewriter) -> bool:
+        x, *weights = op.operands
+        b, act = rw.builder, op.attrs.get("act", "silu")
+        quants = [self.quantized(weight_source(w)) for w in weights]
+        if all(q is None for q in quants):
+            rw.replace(op, [b.op("tpu.MLP", x, *weights, act=act, dtype=self.dtype, loc=op.loc)])
+            return True
+        keys = {(q.bits, q.group_size, q.symmetric) if q is not None else None for q in quants}
+        if len(keys) == 1:
+            q = quants[0]
+            assert q is not None
+            parts = [v for w, qw in zip(weights, quants) for v in self.packed_weight(b, weight_source(w), qw)]  # type: ignore[arg-type]
+            rw.replace(op, [b.op("tpu.A16MLP", x, *parts, act=act, dtype=self.dtype, weight_bits=q.bits,
+                                 group_size=q.group_size, symmetric=q.symmetric, loc=op.loc)])
+            return True
+        # Mixed storage: no fused kernel takes it, so it runs as its parts.
+        gate = self._linear(b, x, weights[0], [], f"{op.loc}.gate")
+        up = self._linear(b, x, weights[1], [], f"{op.loc}.up")
+        if act == "silu":
+            a = b.op("tpu.SiLU", gate, dtype=self.dtype)
+        else:
+            a = b.op("tpu.GELU", gate, approximate="tanh" if act == "gelu_tanh" else "none", dtype=self.dtype)
+        h = b.op("tpu.Mul", a, up, dtype=self.dtype)
+        rw.replace(op, [self._linear(b, h, weights[2], [], f"{op.loc}.down")])
+        return True
+
+    def _fattention(self, op: Operation, rw: Rewriter) -> bool:
+        q, k, v, *mask = op.operands
+        attrs: dict[str, Any] = {key: op.attrs[key] for key in ("q_head", "kv_head", "scale") if key in op.attrs}
+        attrs.update(causal=op.attrs.get("causal", True), has_mask=bool(mask), dtype=self.dtype)
+        hk, hv = history_of(k), history_of(v)
+        operands = [q, k, v, *mask]
+        if hk is not None and hv is not None:
+            operands = [q, hk[1], hv[1], *mask, hk[0], hv[0]]
+            attrs["history"] = hk[0].shape[1]
+        new = rw.builder.create("tpu.FAttention", operands, attrs, loc=op.loc)
+        rw.replace(op, new.results)
+        return True
+
+
+def eliminate_dead_ops(function: Function) -> None:
+    used = {id(v) for v in function.results}
+    kept: list[Operation] = []
+    for op in reversed(function.ops):
+        if op.name in SIDE_EFFECTS or any(id(r) in used for r in op.results):
+            kept.append(op)
+            used.update(id(v) for v in op.operands)
+    function.body.ops = kept[::-1]
+
+
+def insert_kv_stores(function: Function, rows: int, dtype: str) -> None:
+    """After the ops producing a block's k and v outputs, write them into the layer's KV-cache region."""
+    if "layer" not in function.attrs or len(function.results) != 3 or len(function.args) < 2:
+        return
+    layer, positions = int(function.attrs["layer"]), function.args[1]
+    for kind, value in (("k", function.results[1]), ("v", function.results[2])):
+        store = Operation("tpu.KVStore", [value, positions], [],
+                          {"layer": layer, "kind": kind, "rows": rows, "dtype": dtype},
+                          loc=f"layers.{layer}.kv_store_{kind}")
+        ops = function.body.ops
+        index = next((i + 1 for i, op in enumerate(ops) if op is value.owner), 0)
+        ops.insert(index, store)

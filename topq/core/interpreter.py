@@ -65,7 +65,10 @@ class Interpreter:
         kernel = self.kernels.get(op.name)
         if kernel is None:
             raise TopqError(f"{type(self).__name__} cannot execute {op.name}")
-        return kernel
+        # A kernel that needs the op itself (e.g. the region of a top.DSLRegion, see topq.raw) specialises
+        # itself once per op here, at plan time, instead of on every call.
+        bind = getattr(kernel, "bind", None)
+        return bind(op) if bind is not None else kernel
 
     # -- execution -------------------------------------------------------------------------------
     def plan(self, function: Function) -> Plan:

@@ -62,6 +62,11 @@ def load_model(recipe: Recipe, plugins: Plugins | None = None) -> LoadedModel:
     stages = StageConfig.from_recipe(recipe.stages)
     shapes = {name: checkpoint.weights.shape(name) for name in checkpoint.weights.names()}
     module = build_program(spec, family, stages, shapes)
+    if recipe.kernels:
+        # Imported only when asked for: raw kernels are an optional layer on top of the core.
+        from topq.raw.substitute import apply_kernel_substitutions
+
+        apply_kernel_substitutions(module, [{"replace": k["replace"], "with": k["with"]} for k in recipe.kernels])
     verify_module(module)
     return LoadedModel(checkpoint, family, spec, module, rope_weights(spec, stages.seq_length))
 

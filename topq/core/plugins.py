@@ -26,10 +26,12 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.models.qwen2",
     "topq.plugins.models.qwen3",
     "topq.plugins.quant.float_modes",
+    "topq.plugins.quant.rtn",
     "topq.plugins.quant.gptq",
     "topq.plugins.quant.awq",
     "topq.plugins.quant.autoround",
     "topq.plugins.targets.host",
+    "topq.plugins.targets.bm1684x",
 )
 
 #: hook name → registry kind

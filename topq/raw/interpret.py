@@ -24,7 +24,7 @@ from topq.core.errors import TopqError
 from topq.core.ir import Block, Operation
 from topq.core.types import ELEMENT_TYPES, ScalarType
 from topq.raw.functions import erf as _erf
-from topq.raw.vectorize import plan_lanes
+from topq.raw.vectorize import plan_lanes, walk_block
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,9 @@ class BlockExecutor:
         self.arg_names = list(arg_names)
         self._steps: dict[int, list[_Step]] = {}
         self._env: dict[int, Any] = {}
+        # Constants are evaluated once here rather than on every pass through their block.
+        self._constants = {id(op.results[0]): self._constant(op, [], _Lanes())[0]
+                           for op in walk_block(block) if op.name == "arith.constant"}
         self._handlers: dict[str, Callable[[Operation, list[Any], _Lanes], list[Any]]] = {
             "scf.for": self._for, "scf.if": self._if, "memref.load": self._load, "memref.store": self._store,
             "arith.constant": self._constant, "arith.cmpf": self._cmpf, "arith.cmpi": self._cmpi,
@@ -130,7 +133,8 @@ class BlockExecutor:
             if tuple(buf.shape) != tuple(arg.type.shape):
                 raise TopqError(f"{self.kernel}: buffer {self.names[id(arg)]} has shape {list(buf.shape)}, "
                                 f"the kernel IR expects {list(arg.type.shape)}")
-        self._env = {id(a): b for a, b in zip(self.block.args, buffers)}
+        self._env = dict(self._constants)
+        self._env.update((id(a), b) for a, b in zip(self.block.args, buffers))
         try:
             with np.errstate(all="ignore"):  # IEEE results (inf, nan) as on a chip, no warnings
                 return self._block(self.block, _Lanes())
@@ -141,6 +145,8 @@ class BlockExecutor:
     def _compile(self, block: Block) -> list[_Step]:
         steps = []
         for op in block.ops:
+            if op.name == "arith.constant":
+                continue  # in the environment from the start
             run = self._handlers.get(op.name)
             if run is None:
                 fn = _PURE.get(op.name)

@@ -30,13 +30,13 @@ class LaneAxis:
     rank: int
 
 
-def _ops(block: Block) -> Iterator[Operation]:
+def walk_block(block: Block) -> Iterator[Operation]:
     """Every op in a block, nested regions included, in program order."""
     for op in block.ops:
         yield op
         for region in op.regions:
             for inner in region.blocks:
-                yield from _ops(inner)
+                yield from walk_block(inner)
 
 
 def _varying(body: Block, iv: Value) -> set[int]:
@@ -45,11 +45,11 @@ def _varying(body: Block, iv: Value) -> set[int]:
     changed = True
     while changed:
         changed = False
-        for op in _ops(body):
+        for op in walk_block(body):
             inputs = list(op.operands)
             if op.name in ("scf.for", "scf.if"):
                 # A region op varies if anything computed inside it does (e.g. a sum over lane-varying loads).
-                inputs += [v for region in op.regions for b in region.blocks for o in _ops(b) for v in o.operands]
+                inputs += [v for region in op.regions for b in region.blocks for o in walk_block(b) for v in o.operands]
             if any(id(v) in varying for v in inputs):
                 outs = list(op.results)
                 if op.name == "scf.for":
@@ -69,7 +69,7 @@ def is_vectorisable(loop: Operation) -> bool:
     varying = _varying(body, iv)
     accesses: dict[int, list[tuple[int, ...]]] = {}
     stored: set[int] = set()
-    for op in _ops(body):
+    for op in walk_block(body):
         if op.name == "scf.for" and any(id(v) in varying for v in op.operands[:3]):
             return False
         if op.name == "memref.load":
@@ -108,7 +108,7 @@ def plan_lanes(block: Block) -> dict[int, LaneAxis]:
         for op in b.ops:
             if id(op) in axes and axes[id(op)] == 0:
                 rank = 1 + visit_rank(op)
-                for inner in [op, *_ops(op.regions[0].block)]:
+                for inner in [op, *walk_block(op.regions[0].block)]:
                     if id(inner) in axes:
                         plan[id(inner)] = LaneAxis(axes[id(inner)], rank)
             else:
@@ -117,7 +117,7 @@ def plan_lanes(block: Block) -> dict[int, LaneAxis]:
                         nests(inner)
 
     def visit_rank(op: Operation) -> int:
-        return max(axes[id(o)] for o in [op, *_ops(op.regions[0].block)] if id(o) in axes)
+        return max(axes[id(o)] for o in [op, *walk_block(op.regions[0].block)] if id(o) in axes)
 
     visit(block, 0)
     nests(block)

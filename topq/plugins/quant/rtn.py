@@ -8,9 +8,9 @@ float32, per group of `group_size` weights along K:
   convention in `topq.core.quant_math`), so an all-positive group spends every code on its own values.
 * symmetric: `scale = absmax / (2^(bits-1) - 1)`, signed codes `clamp(round(w / scale), -2^(bits-1), 2^(bits-1)-1)`.
 
-`round` is C's `std::round` (halves away from zero), not numpy's half-to-even. A group whose range is zero (a
-constant group) would divide by zero: it gets the range |c| (1 for an all-zero group), so the constant is an exact
-code. The compiler stores the scales in the compute dtype, so the returned scales are already rounded to it: the
+`round` is C's `std::round` (halves away from zero), not numpy's half-to-even. An asymmetric group whose range is
+zero (a constant c) would divide by zero: it gets the scale |c| (1 for an all-zero group), so c is code - zp = ±1
+(0) times its scale and dequantizes to c as stored; an all-zero symmetric group gets scale 1 and codes 0. The compiler stores the scales in the compute dtype, so the returned scales are already rounded to it: the
 values here are exactly what the chip multiplies by, and the host target's dequantized weights match the chip's
 bit for bit. Storage layout (packing) is the target's business.
 """
@@ -50,8 +50,9 @@ def rtn_values(w: np.ndarray, bits: int, group_size: int, symmetric: bool) -> tu
     else:
         wmin, wmax = groups.min(axis=-1), groups.max(axis=-1)
         span = wmax - wmin
-        span = np.where(span > 0, span, np.where(wmin != 0, np.abs(wmin), np.float32(1))).astype(np.float32)
-        scale = (span / np.float32(hi)).astype(np.float32)
+        # a constant group c gets scale |c| (1 for zeros): code - zp = ±1 (0) dequantizes to the stored c
+        constant = np.where(wmin != 0, np.abs(wmin), np.float32(1))
+        scale = np.where(span > 0, span / np.float32(hi), constant).astype(np.float32)
         zero = np.clip(round_half_away(-wmin / scale), lo, hi)
         codes = np.clip(round_half_away(groups / scale[..., None]) + zero[..., None], lo, hi)
     return codes.reshape(n, k), scale, zero

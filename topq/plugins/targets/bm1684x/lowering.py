@@ -89,7 +89,9 @@ class Lowering:
             for arg in function.args:  # activations cross function boundaries in the mode's dtype
                 if isinstance(arg.type, TensorType) and arg.type.dtype in FLOAT_DTYPES:
                     arg.type = arg.type.with_dtype(self.dtype)
+        self._replaced: list[Operation] = []
         apply_patterns(module, self.table())
+        self._replaced.clear()
         for function in module:
             for op in function.walk():
                 if not op.name.startswith("tpu."):
@@ -104,7 +106,17 @@ class Lowering:
         table["top.MatMul"] = [self._matmul]
         table["top.MLP"] = [self._mlp]
         table["top.FAttention"] = [self._fattention]
-        return table
+        return {name: [self._keeping(p) for p in patterns] for name, patterns in table.items()}
+
+    def _keeping(self, pattern: Pattern) -> Pattern:
+        """The rewriter maps replaced values by id(); keeping the replaced ops alive until lowering ends stops a
+        freed value's id from being reused by a new value (which would then resolve to the wrong replacement)."""
+
+        def keep(op: Operation, rw: Rewriter) -> bool:
+            self._replaced.append(op)
+            return pattern(op, rw)
+
+        return keep
 
     # -- weights ---------------------------------------------------------------------------------------
     def quantized(self, source: str | None) -> QuantizedWeight | None:
@@ -256,14 +268,15 @@ def eliminate_dead_ops(function: Function) -> None:
 
 
 def insert_kv_stores(function: Function, rows: int, dtype: str) -> None:
-    """After the ops producing a block's k and v outputs, write them into the layer's KV-cache region."""
+    """Write a block's k and v outputs into the layer's KV-cache region, just before the attention: the attention
+    reads the new rows from their own buffers, so the stores can wait until the projection group is done."""
     if "layer" not in function.attrs or len(function.results) != 3 or len(function.args) < 2:
         return
     layer, positions = int(function.attrs["layer"]), function.args[1]
-    for kind, value in (("k", function.results[1]), ("v", function.results[2])):
-        store = Operation("tpu.KVStore", [value, positions], [],
-                          {"layer": layer, "kind": kind, "rows": rows, "dtype": dtype},
-                          loc=f"layers.{layer}.kv_store_{kind}")
-        ops = function.body.ops
-        index = next((i + 1 for i, op in enumerate(ops) if op is value.owner), 0)
-        ops.insert(index, store)
+    ops = function.body.ops
+    index = next((i for i, op in enumerate(ops) if op.name == "tpu.FAttention"), len(ops))
+    stores = [Operation("tpu.KVStore", [value, positions], [],
+                        {"layer": layer, "kind": kind, "rows": rows, "dtype": dtype},
+                        loc=f"layers.{layer}.kv_store_{kind}")
+              for kind, value in (("k", function.results[1]), ("v", function.results[2]))]
+    ops[index:index] = stores

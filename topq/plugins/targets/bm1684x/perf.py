@@ -8,8 +8,8 @@ The model (docs/perf.md has the derivation and the calibration):
   `element-ops / (lanes × eu_bytes / element_bytes × clock × vector efficiency)`.
 * **DMA** of an op = bytes it moves between DDR and local memory / (ddr_bandwidth × achievable fraction):
   weights in their stored size (W4 = 0.5 B + scale/zero per group, W8 = 1 B, BF16 = 2 B), activations
-  a group reads from or writes to DDR, the KV history attention reads. Each transfer is rounded up to
-  the DMA burst (`spec.dma_align`).
+  a group reads from or writes to DDR, the KV history attention reads (once per query head by default:
+  `Calibration.kv_per_query_head`). Each transfer is rounded up to the DMA burst (`spec.dma_align`).
 * **Layer groups** (approximation of the compiler's): every matmul / MLP / attention is its own group
   with its weights streamed; elementwise, norm and RoPE ops fuse into the next such group (trailing
   ones into the previous). Views (reshape, the in-place history concat) cost nothing. A group takes
@@ -109,12 +109,12 @@ def _as_mode(mode: QuantMode | str) -> QuantMode:
 class Calibration:
     """The model's free constants: one set for every model and every chip of the family (docs/perf.md)."""
 
-    cube_eff: float = 0.48  # fraction of peak_ops a matmul reaches on the cube
-    attn_eff: float = 0.19  # fraction of peak_ops fused attention (QKᵀ, PV) reaches
+    cube_eff: float = 0.60  # fraction of peak_ops a matmul reaches on the cube
+    attn_eff: float = 0.25  # fraction of peak_ops fused attention (QKᵀ, PV) reaches
     vector_eff: float = 0.50  # fraction of the EU's lanes × eu_bytes per cycle that vector ops reach (not fitted)
     ddr_eff: float = 0.65  # achievable fraction of ddr_bandwidth
-    group_overhead_s: float = 1e-6  # fixed cost of one layer group (sync, instruction issue): the floor
-    launch_s: float = 10e-6  # fixed cost of one function call (runtime launch): the floor
+    group_overhead_s: float = 3e-6  # fixed cost of one layer group (sync, instruction issue)
+    launch_s: float = 25e-6  # fixed cost of one function call (runtime launch)
     kv_per_query_head: bool = True  # attention streams K/V once per query head (GQA heads not batched)
 
 
@@ -145,7 +145,12 @@ ANCHOR_OPS = frozenset({"MatMul", "MLP", "FAttention"})  # each starts its own l
 
 @dataclass
 class OpRow:
-    """One op of a function estimate. `time_s` is the op's share of its group's time (rows sum to the total)."""
+    """One op of a function estimate.
+
+    `time_s` is the op's share of its group's time: each op's max(compute, DMA) scaled so the group's ops add up
+    to the group's max(Σ compute, Σ DMA), plus the group overhead on the group's matmul/attention op. The rows
+    and the launch overhead add up to the function's total.
+    """
 
     name: str
     loc: str | None
@@ -183,8 +188,8 @@ class FunctionEstimate:
 
     def table(self) -> str:
         """A per-op text table (the compiler's `--dump` view)."""
-        lines = [f"@{self.name}: {self.total_s * 1e3:.3f} ms in {self.groups} groups "
-                 f"(+{self.launch_s * 1e6:.0f} us launch)",
+        lines = [(f"@{self.name}: {self.total_s * 1e3:.3f} ms in {self.groups} groups "
+                  f"(+{self.launch_s * 1e6:.0f} us launch)"),
                  f"{'op':<16}{'loc':<34}{'grp':>4}{'MFLOP':>12}{'KB':>12}{'compute us':>12}{'dma us':>10}{'time us':>10}"]
         for r in self.rows:
             lines.append(f"{r.name:<16}{(r.loc or '-'):<34}{r.group:>4}{r.flops / 1e6:>12.2f}{r.bytes / 1024:>12.1f}"
@@ -205,13 +210,10 @@ class _Estimator:
 
     def __init__(self, function: Function, chip: ChipSpec, mode: QuantMode, lm_head_mode: QuantMode,
                  cal: Calibration) -> None:
-        self.f, self.chip, self.mode, self.cal = function, chip, mode, cal
+        self.chip, self.mode, self.cal = chip, mode, cal
         self.linear_mode = lm_head_mode if function.name == "lm_head" else mode
         self.cores = max(1, chip.cores)
-        self.weights: dict[int, str] = {}
-        for op in function.walk():
-            if _kind(op) == "Weight":
-                self.weights[id(op.results[0])] = str(op.attrs.get("name", ""))
+        self.weights = {id(op.results[0]) for op in function.walk() if _kind(op) == "Weight"}
         self.args = {id(a) for a in function.args}
         self.results = {id(r) for r in function.results}
 
@@ -246,7 +248,7 @@ class _Estimator:
         for v in op.operands:
             if id(v) in self.args:
                 total += self.act(v)
-            elif self.is_weight(v) and _kind(op) != "Gather":
+            elif self.is_weight(v):  # a norm weight: every core reads all of it
                 total += self.transfer(self.numel(v) * self.mode.act_bytes, split=False)
         for r in op.results:
             if id(r) in self.results:
@@ -266,22 +268,21 @@ class _Estimator:
         ops = VECTOR_OPS.get(kind, 1)
         return _Cost(vector_s=self.vector_s(elements * ops, self.mode.act_bytes), bytes_per_core=self.io(op))
 
-    def _linear(self, x: Value, n: int, k: int, weight: Value | None) -> _Cost:
-        """x[..., K] @ W[N, K]ᵀ: cube flops, dequantisation on the EU, streamed weight, split along N."""
-        rows = self.numel(x) // k
+    def _linear(self, rows: int, n: int, k: int) -> _Cost:
+        """[rows, K] @ W[N, K]ᵀ with W a stored weight: cube flops, dequantisation on the EU, the weight streamed
+        once (split along N across cores)."""
+        mode = self.linear_mode
         flops = 2.0 * rows * k * n
-        mode = self.linear_mode if weight is not None and self.is_weight(weight) else self.mode
-        cube = self.cube_s(flops, mode.compute if weight is not None else self.mode.compute, self.cal.cube_eff)
-        nbytes = self.transfer(mode.weight_bytes(n, k)) if weight is not None and self.is_weight(weight) else 0.0
-        vector = self.vector_s(n * k * mode.dequant_ops, 2) if nbytes else 0.0
-        return _Cost(flops, cube, vector, nbytes)
+        cube = self.cube_s(flops, mode.compute, self.cal.cube_eff)
+        vector = self.vector_s(n * k * mode.dequant_ops, 2)
+        return _Cost(flops, cube, vector, self.transfer(mode.weight_bytes(n, k)))
 
     def _cost_MatMul(self, op: Operation) -> _Cost:
         x, w, *bias = op.operands
         out = op.results[0]
         n, k = (w.shape[-2], w.shape[-1]) if op.attrs.get("right_transpose") else (w.shape[-1], w.shape[-2])
         if self.is_weight(w) and len(w.shape) == 2:
-            c = self._linear(x, n, k, w)
+            c = self._linear(self.numel(x) // k, n, k)
         else:  # activation × activation (batched): no weight to stream
             flops = 2.0 * self.numel(out) * k
             c = _Cost(flops, self.cube_s(flops, self.mode.compute, self.cal.cube_eff), 0.0, self.act(w))
@@ -290,16 +291,16 @@ class _Estimator:
         return c
 
     def _cost_MLP(self, op: Operation) -> _Cost:
-        x, gate, up, down = op.operands
+        x, gate = op.operands[:2]
         inter, hidden = gate.shape
+        rows = self.numel(x) // hidden
         c = _Cost()
-        for w, n, k in ((gate, inter, hidden), (up, inter, hidden), (down, hidden, inter)):
-            part = self._linear(x, n, k, w)
+        for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
+            part = self._linear(rows, n, k)
             c.flops += part.flops
             c.cube_s += part.cube_s
             c.vector_s += part.vector_s
             c.bytes_per_core += part.bytes_per_core
-        rows = self.numel(x) // hidden
         act_ops = MLP_ACT_OPS.get(str(op.attrs.get("act", "silu")), 4) + 1
         c.vector_s += self.vector_s(rows * inter * act_ops, self.mode.act_bytes)
         c.bytes_per_core += self.act(x, split=False) + self.act(op.results[0])
@@ -314,15 +315,14 @@ class _Estimator:
         keys = lq * history + lq * (lq + 1) / 2 if not mask else lq * lk
         scores = hq * keys
         flops = 4.0 * scores * d  # QKᵀ and PV
-        cube = self.cube_s(flops, "bf16" if self.mode.compute in ("int8",) else self.mode.compute,
-                           self.cal.attn_eff)
+        cube = self.cube_s(flops, "bf16" if self.mode.compute == "int8" else self.mode.compute, self.cal.attn_eff)
         vector = self.vector_s(scores * SCORE_OPS, 4)
         # K/V are re-read once per pass over the queries that fit half of local memory, and (without GQA
         # batching) once per query head of a KV head
         q_bytes = self.numel(q) * self.mode.act_bytes / self.cores
         passes = max(1, math.ceil(q_bytes / (self.chip.local_mem / 2)))
         if self.cal.kv_per_query_head:
-            passes *= max(1, int(op.attrs.get("q_head", hq)) // max(1, int(op.attrs.get("kv_head", k.shape[2]))))
+            passes *= max(1, hq // k.shape[2])
         nbytes = self.act(q) + passes * (self.act(k) + self.act(v)) + self.act(op.results[0])
         nbytes += sum(self.act(m, split=False) for m in mask)
         return _Cost(flops, cube, vector, nbytes)
@@ -516,7 +516,8 @@ def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, c
         "decode_step_s": full["step_s"],
         "bytes_per_token": full["bytes"],
         "weight_bytes_per_token": weights,
-        "kv_bytes_per_token": kv_bytes(prog.spec, st.seq_length, mode.act_bytes),
+        "kv_cache_bytes": kv_bytes(prog.spec, st.seq_length, mode.act_bytes),
+        "kv_bytes_per_token": kv_bytes(prog.spec, st.seq_length + 1, mode.act_bytes, cal.kv_per_query_head),
         "ddr_utilization": full["bytes"] / full["step_s"] / bandwidth,
         "decode_tps_by_context": {str(c): 1.0 / d["step_s"] for c, d in by_context.items()},
         "bytes_per_token_by_context": {str(c): d["bytes"] for c, d in by_context.items()},
@@ -526,9 +527,11 @@ def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, c
     }
 
 
-def kv_bytes(spec: ModelSpec, history: int, act_bytes: int = 2) -> int:
-    """K and V history one decode step reads, all layers."""
-    return 2 * spec.num_layers * history * spec.num_kv_heads * spec.head_dim * act_bytes
+def kv_bytes(spec: ModelSpec, history: int, act_bytes: int = 2, per_query_head: bool = False) -> int:
+    """K and V of `history` positions, all layers: the cache size, or what attention reads when it streams K/V
+    once per query head."""
+    heads = spec.num_heads if per_query_head else spec.num_kv_heads
+    return 2 * spec.num_layers * history * heads * spec.head_dim * act_bytes
 
 
 def _weight_bytes(spec: ModelSpec, mode: QuantMode, head: QuantMode) -> float:
@@ -543,16 +546,18 @@ def _weight_bytes(spec: ModelSpec, mode: QuantMode, head: QuantMode) -> float:
 # ------------------------------------------------------------------------------------------ entry point
 
 
-def _mode_from_config(config: Mapping[str, Any], quant: str) -> tuple[str, int | None, int | None]:
-    """`auto`: the checkpoint's quantization_config (bits, group_size), else bf16."""
+def _mode_from_config(config: Mapping[str, Any], quant: str) -> tuple[str, int | None]:
+    """`auto`: the mode and group size of the checkpoint's quantization_config, else bf16."""
     if quant != "auto":
-        return quant, None, None
+        return quant, None
     qc = config.get("quantization_config") or {}
     bits = qc.get("bits") or qc.get("w_bit")
     if not bits:
-        return "bf16", None, None
+        return "bf16", None
+    if int(bits) not in (4, 8):
+        raise TopqError(f"perf model: {bits}-bit checkpoints are not supported (4 or 8)")
     group = qc.get("group_size") or qc.get("q_group_size")
-    return ("w4bf16" if int(bits) == 4 else "w8bf16"), int(bits), (int(group) if group else None)
+    return f"w{int(bits)}bf16", (int(group) if group else None)
 
 
 def perf_entry(chip_spec: ChipSpec) -> Callable[..., dict[str, Any]]:
@@ -570,7 +575,7 @@ def perf_entry(chip_spec: ChipSpec) -> Callable[..., dict[str, Any]]:
 
         family = find_family(get_plugins().families, config)
         spec = family.normalize(config)
-        quant, _, group = _mode_from_config(config, quant)
+        quant, group = _mode_from_config(config, quant)
         return predict(spec, chip_spec, quant, seq_length, max_input_length, lm_head_quant, group or group_size)
 
     return perf

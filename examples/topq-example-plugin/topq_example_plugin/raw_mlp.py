@@ -1,0 +1,63 @@
+"""`example-llama-raw`: the example family with its gated-MLP activation written as a raw kernel.
+
+A custom op needs no Top op of its own: the block builds the two projections with Top ops, then calls a
+`@kernel` (`swiglu`, `silu(gate) * up` in float32) through `raw_call`, which embeds it in the graph as a
+`top.DSLRegion`; the host target runs the region, other targets lower it. The family is registered from its
+own entry point (`example-raw`), so the plain `example-llama` family stays exactly the built-in Llama graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import topq
+from topq.core.family import ModelFamily
+from topq.core.ir import Value
+from topq.core.stages import BlockContext
+from topq.raw import InOut, Input, exp, kernel, raw_call
+from topq_example_plugin import FAMILY
+
+
+@kernel
+def swiglu(gate: Input["tensor<?x?x?xf32>"], up: Input["tensor<?x?x?xf32>"],
+           out: InOut["tensor<?x?x?xf32>"]) -> None:
+    """out = silu(gate) * up, elementwise over [batch, tokens, intermediate]."""
+    for b in range(gate.shape[0]):
+        for t in range(gate.shape[1]):
+            for c in range(gate.shape[2]):
+                g = gate[b, t, c]
+                out[b, t, c] = g / (1.0 + exp(-g)) * up[b, t, c]
+
+
+def build_block(ctx: BlockContext) -> Value:
+    """The example block, with the MLP spelled out: gate/up projections, the raw SwiGLU kernel, down."""
+    s, b = ctx.spec, ctx.b
+    x = ctx.hidden
+    h = ctx.rms_norm(x, "input_layernorm")
+    q = ctx.heads(ctx.linear(h, "q_proj", s.num_heads * s.head_dim), s.num_heads)
+    k = ctx.heads(ctx.linear(h, "k_proj", s.num_kv_heads * s.head_dim), s.num_kv_heads)
+    v = ctx.heads(ctx.linear(h, "v_proj", s.num_kv_heads * s.head_dim), s.num_kv_heads)
+    attn = ctx.attention(ctx.rope(q), ctx.rope(k), v)
+    x = b.top.Add(x, ctx.linear(attn, "o_proj", s.hidden_size))
+    m = ctx.rms_norm(x, "post_attention_layernorm")
+    gate = ctx.linear(m, "gate_proj", s.intermediate_size)
+    up = ctx.linear(m, "up_proj", s.intermediate_size)
+    # The output buffer starts as `gate` (any tensor of the right type would do: every element is written).
+    act = raw_call(b, swiglu, outputs=[gate], inputs=[gate, up], loc="swiglu")
+    return b.top.Add(x, ctx.linear(act, "down_proj", s.hidden_size))
+
+
+FAMILY_RAW = dataclasses.replace(
+    FAMILY,
+    name="example-llama-raw",
+    architectures=("ExampleRawLlamaForCausalLM",),
+    model_types=("example_llama_raw",),
+    build_block=build_block,
+    description="example family whose MLP activation is a raw kernel (top.DSLRegion)",
+)
+
+
+@topq.hookimpl
+def register_model_families(register: Callable[[ModelFamily], None]) -> None:
+    register(FAMILY_RAW)

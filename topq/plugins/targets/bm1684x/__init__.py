@@ -1,0 +1,106 @@
+"""The BM1684X-family target: `bm1684x` and `bm1688` are two ChipSpecs of the same code.
+
+compile: Top → tpu lowering (lowering.py), layer groups (layer_group.py), DDR plan (memory.py), program text +
+packed tensors (compiler.py, packing.py). open: the emulator (emulator.py) on a simulated DDR with the chip's
+numerics (kernels.py). perf: the performance model (perf.py). See docs/bm1684x.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import topq
+from topq.core.bundle import Bundle
+from topq.core.errors import TopqError
+from topq.core.target import Target
+from topq.plugins.targets.bm1684x.compiler import PROGRAM_VERSION, compile_model
+from topq.plugins.targets.bm1684x.emulator import Emulator, checker_requested
+from topq.plugins.targets.bm1684x.memory import human
+from topq.plugins.targets.bm1684x.modes import MODES
+from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec
+
+
+@dataclass(frozen=True)
+class ChipTarget(Target):
+    """A Target that also describes its bundles for `topq inspect` (memory map, layer groups)."""
+
+    chip: ChipSpec | None = None
+    report: Callable[[Bundle], dict[str, Any]] | None = None
+
+
+def open_bundle(bundle: Bundle, chip: ChipSpec, checker: bool | None = None, kv_sync: str | None = None) -> Emulator:
+    """The emulator for a bundle compiled for `chip` (checker: None = from TOPQ_CHECKER or the recipe)."""
+    meta = bundle.meta.get("target_meta") or {}
+    compiled_for = meta.get("chip") or bundle.target
+    if bundle.target != chip.name or compiled_for != chip.name:
+        raise TopqError(f"{bundle.path}: bundle was compiled for {compiled_for}, not {chip.name}; "
+                        f"convert it again with target.chip={chip.name}")
+    if meta.get("program_version") != PROGRAM_VERSION:
+        raise TopqError(f"{bundle.path}: {chip.name} program version {meta.get('program_version')} is not the "
+                        f"emulator's {PROGRAM_VERSION}; convert it again")
+    if meta.get("mode") not in MODES:
+        raise TopqError(f"{bundle.path}: mode {meta.get('mode')!r} cannot run on the {chip.name} emulator; "
+                        f"it runs: {', '.join(MODES)}")
+    if checker is None:
+        checker = checker_requested(bundle.recipe)
+    return Emulator(bundle.program, bundle.tensor, chip, checker=checker,
+                    kv_sync=kv_sync or os.environ.get("TOPQ_BM_KV_SYNC", "incremental"))
+
+
+def report(bundle: Bundle, chip: ChipSpec) -> dict[str, Any]:
+    """Memory map, layer-group summary and (when the performance model loads) the predicted speed."""
+    meta = bundle.meta.get("target_meta") or {}
+    memory = meta.get("memory", {})
+    groups = meta.get("layer_groups", {})
+    tiled = {f"{fn}:{op}": t for fn, r in groups.items() for op, t in r.get("tiled", {}).items()}
+    lines = [f"{chip.name} DDR plan ({meta.get('mode')}): {human(memory.get('total', 0))} of {human(chip.ddr_size)}"]
+    for region in ("coeff", "kv", "act"):
+        base, size = memory.get(region, [0, 0])
+        lines.append(f"  {region:<6} 0x{base:010x}  {human(size)}")
+    lines.append(f"layer groups: {sum(r['groups'] for r in groups.values())} in {len(groups)} functions; "
+                 f"peak local memory {max((r['peak_lmem_per_lane'] for r in groups.values()), default=0)} B/lane "
+                 f"of {chip.local_mem_per_lane}; {len(tiled)} tiled ops")
+    out: dict[str, Any] = {"memory": memory, "layer_groups": groups, "text_sections": ["\n".join(lines)]}
+    try:
+        out["predicted"] = _perf(chip)(bundle=bundle)
+    except Exception as exc:  # the perf model is optional for inspect; say why it is missing
+        out["predicted_error"] = str(exc)
+    return out
+
+
+def _perf(chip: ChipSpec) -> Callable[..., dict[str, Any]]:
+    def perf(**kwargs: Any) -> dict[str, Any]:
+        try:
+            from topq.plugins.targets.bm1684x.perf import perf_entry
+        except ImportError as exc:  # TODO: remove once perf.py is always present
+            raise TopqError(f"the {chip.name} performance model is not available: {exc}") from None
+        return perf_entry(chip)(**kwargs)
+
+    return perf
+
+
+def make_target(chip: ChipSpec) -> ChipTarget:
+    return ChipTarget(
+        name=chip.name,
+        description=f"{chip.name} emulator: {chip.lanes} lanes x {chip.cores} core(s), bf16/f16 storage, "
+                    f"f32 accumulation, W4/W8 weight-only",
+        compile=functools.partial(compile_model, chip=chip),
+        open=functools.partial(open_bundle, chip=chip),
+        schemes=tuple(MODES),
+        perf=_perf(chip),
+        chip=chip,
+        report=functools.partial(report, chip=chip),
+    )
+
+
+TARGETS = tuple(make_target(SPECS[name]) for name in ("bm1684x", "bm1688"))
+
+
+@topq.hookimpl
+def register_targets(register) -> None:  # type: ignore[no-untyped-def]
+    for target in TARGETS:
+        register(target)

@@ -1,0 +1,163 @@
+"""The chip's numerics for tpu ops, as numpy kernels on float32 arrays holding dtype values.
+
+The emulator reads operands from DDR (bf16/f16 → f32 is exact), calls a kernel, and rounds each result to its
+storage dtype when it writes it (DDR or local memory): that is the op-boundary rounding. Inside a kernel:
+
+* norms, softmax, SiLU/GELU and RoPE compute in f32 — they are Top's reference kernels, run on dtype values;
+* matmuls multiply dtype values and accumulate in f32 (a product of two bf16 is exact in f32, so an f32 GEMM on
+  the rounded operands is the chip's arithmetic up to summation order);
+* fused ops round where the chip's fused kernels store to local memory in dtype: the MLP's gate, up, act and
+  act*up; the attention's probabilities before the PV matmul.
+
+Weights arrive pre-decoded: `[N, K]` float32 arrays (dequantized W4/W8 weights are already rounded to dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from topq.core.errors import TopqError
+from topq.core.reference_ops import FULLY_MASKED_SCORE, REFERENCE_OPS, gelu, silu
+from topq.plugins.targets.bm1684x.modes import NP_DTYPES
+
+F32 = np.float32
+
+
+def rnd(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values after a store in `dtype` (a copy; f32 stays f32)."""
+    if dtype == "f32":
+        return np.array(x, dtype=F32)
+    return np.asarray(x, dtype=F32).astype(NP_DTYPES[dtype]).astype(F32)
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x[..., K] @ wᵀ for w [N, K] in float32 (one GEMV for a single row: faster than a 1-row GEMM here)."""
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    y = np.dot(w, x2[0])[None] if x2.shape[0] == 1 else np.dot(x2, w.T)
+    return y.reshape(*lead, w.shape[0])
+
+
+def matmul(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """tpu.MatMul / tpu.A16MatMul with a decoded weight [N, K] (+ bias)."""
+    y = linear(args[0], args[1])
+    if len(args) > 2:
+        y += args[2]
+    return [y]
+
+
+def activation(name: str, x: np.ndarray) -> np.ndarray:
+    if name == "silu":
+        return silu(x)
+    return gelu(x, "tanh" if name == "gelu_tanh" else "none")
+
+
+def mlp(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """Fused gated MLP: args x, [gate; up] stacked [2I, H], down [H, I]."""
+    x, gate_up, down = args
+    dtype = attrs["dtype"]
+    inter = down.shape[1]
+    gu = linear(x, gate_up)
+    gate, up = rnd(gu[..., :inter], dtype), rnd(gu[..., inter:], dtype)
+    h = rnd(activation(attrs.get("act", "silu"), gate), dtype)
+    h *= up
+    return [linear(rnd(h, dtype), down)]
+
+
+def gather(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """Row gather straight from the table's DDR view (only the gathered rows are converted)."""
+    table, idx = args
+    axis = int(attrs.get("axis", 0))
+    n = table.shape[axis]
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise TopqError(f"tpu.Gather: index out of range [0, {n}): {idx.min()}..{idx.max()}")
+    return [np.take(table, idx, axis=axis).astype(F32)]
+
+
+def visible_history(mask: np.ndarray | None, history: int, new: int) -> int:
+    """Rows of the history a query can see: 1 + the last history column the mask does not hide (all of it
+    without a mask). Hidden columns contribute exactly 0 after the softmax, so skipping them is exact."""
+    if mask is None or mask.shape[-1] != history + new:
+        return history
+    cols = np.asarray(mask)[..., :history].reshape(-1, history) > FULLY_MASKED_SCORE
+    seen = np.flatnonzero(cols.any(axis=0))
+    return int(seen[-1]) + 1 if seen.size else 0
+
+
+def fattention(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """Causal GQA attention; with `history`, the last two args are the KV-cache region views (storage dtype)."""
+    history = int(attrs.get("history", 0))
+    q, k, v = args[:3]
+    mask = args[3] if attrs.get("has_mask") else None
+    dtype = attrs["dtype"]
+    hq, hkv = int(attrs["q_head"]), int(attrs["kv_head"])
+    b, lq, _, d = q.shape
+    lk = k.shape[1]
+    g = hq // hkv
+    qg = q.transpose(0, 2, 1, 3).reshape(b, hkv, g * lq, d)
+    scores = [np.matmul(qg, k.transpose(0, 2, 3, 1))]  # [B, Hkv, g*Lq, Lk]
+    values = [v]
+    visible = 0
+    if history:
+        visible = visible_history(mask, history, lk)
+        if visible:
+            hk = args[-2][:, :visible].astype(F32)
+            hv = args[-1][:, :visible].astype(F32)
+            scores.insert(0, np.matmul(qg, hk.transpose(0, 2, 3, 1)))
+            values.insert(0, hv)
+    s = np.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    s *= F32(attrs["scale"])
+    total = s.shape[-1]
+    s = s.reshape(b, hq, lq, total)
+    if mask is not None:
+        if history and mask.shape[-1] == history + lk:  # drop the hidden history columns with their rows
+            mask = np.concatenate([mask[..., :visible], mask[..., history:]], axis=-1)
+        s += mask
+    if attrs.get("causal", True):
+        i = np.arange(lq)[:, None]
+        j = np.arange(lk)[None, :]
+        # bottom-right aligned over the new keys; every history row precedes all queries
+        np.copyto(s[..., total - lk:], F32(-np.inf), where=j > i + (lk - lq))
+    top = s.max(axis=-1, keepdims=True)
+    dead = top <= FULLY_MASKED_SCORE
+    top[dead] = 0
+    s -= top
+    np.exp(s, out=s)
+    denom = s.sum(axis=-1, keepdims=True)
+    denom[dead] = 1
+    s /= denom
+    p = rnd(s, dtype).reshape(b, hkv, g * lq, total)
+    out = None
+    start = 0
+    for val in values:
+        n = val.shape[1]
+        part = np.matmul(p[..., start:start + n], val.transpose(0, 2, 1, 3))
+        out = part if out is None else out + part
+        start += n
+    assert out is not None
+    return [out.reshape(b, hq, lq, d).transpose(0, 2, 1, 3).reshape(b, lq, hq * d)]
+
+
+def cast(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    return [args[0]]  # the store rounds to the new dtype
+
+
+def _ref(name: str) -> Any:
+    return REFERENCE_OPS[f"top.{name}"]
+
+
+#: tpu op → kernel (MatMul with an activation right operand uses Top's reference matmul, see the emulator)
+KERNELS: dict[str, Any] = {
+    "tpu.Gather": gather,
+    "tpu.MatMul": matmul,
+    "tpu.A16MatMul": matmul,
+    "tpu.MLP": mlp,
+    "tpu.A16MLP": mlp,
+    "tpu.FAttention": fattention,
+    "tpu.Cast": cast,
+    **{f"tpu.{n}": _ref(n) for n in ("RMSNorm", "LayerNorm", "Add", "Mul", "MulConst", "SiLU", "GELU", "Softmax",
+                                     "Rope", "Reshape", "Permute", "Slice", "Concat", "TopK")},
+}

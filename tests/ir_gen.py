@@ -13,6 +13,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+import topq.raw  # noqa: F401  (registers top.DSLRegion, which the op table lists)
 from topq.core.builder import Builder
 from topq.core.catalogue import CATALOGUE, REQUIRED, OpDef
 from topq.core.ir import Module, Value

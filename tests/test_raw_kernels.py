@@ -94,6 +94,16 @@ def cumsum(x: Input["tensor<?xf32>"], y: InOut["tensor<?xf32>"]) -> None:
 
 
 @kernel
+def decay_rows(x: Input["tensor<?x?xf32>"], y: InOut["tensor<?x?xf32>"]) -> None:
+    """Row i reads row i - 1: the j loops may run as one numpy op each, the i loop must run in order."""
+    for j in range(x.shape[1]):
+        y[0, j] = x[0, j]
+    for i in range(1, x.shape[0]):
+        for j in range(x.shape[1]):
+            y[i, j] = y[i - 1, j] * 0.5 + x[i, j]
+
+
+@kernel
 def row_min_max(x: Input["tensor<?x?xf32>"], lo: InOut["tensor<?xf32>"], hi: InOut["tensor<?xf32>"]) -> None:
     for i in range(x.shape[0]):
         a = x[i, 0]
@@ -247,6 +257,13 @@ def test_vectorisation_keeps_memory_dependences() -> None:
     silu_spec = next(s for key, s in silu._cache.items() if key[0][0][1] == (5, 8))
     assert cumsum_spec.executor.vectorised_loops == 0  # y[i] depends on y[i - 1]: interpreted in order
     assert silu_spec.executor.vectorised_loops == 2  # both loops run as whole-array numpy ops
+    want = np.zeros_like(x2)
+    want[0] = x2[0]
+    for i in range(1, 5):
+        want[i] = want[i - 1] * F32(0.5) + x2[i]
+    assert np.array_equal(decay_rows(x2, x2), want)
+    (decay_spec,) = decay_rows._cache.values()
+    assert decay_spec.executor.vectorised_loops == 2  # both j loops; not the i loop
 
 
 def test_specialisations_are_cached_per_shape() -> None:

@@ -21,6 +21,10 @@ from topq.core.reference_ops import REFERENCE_OPS, Kernel
 
 WeightLoader = Callable[[str], np.ndarray]
 
+#: Kernels for ops whose behaviour lives in their regions, shared by every interpreter whatever its `kernels`
+#: table (e.g. `top.DSLRegion`, registered by `topq.raw`). Such a kernel has `bind(op) -> Kernel`.
+REGION_KERNELS: dict[str, Any] = {}
+
 
 @dataclass
 class Step:
@@ -63,12 +67,12 @@ class Interpreter:
 
     def kernel_for(self, op: Operation) -> Kernel:
         kernel = self.kernels.get(op.name)
+        if kernel is None and op.name in REGION_KERNELS:
+            # It needs the op itself (its region): specialise once per op here, at plan time, not per call.
+            return REGION_KERNELS[op.name].bind(op)
         if kernel is None:
             raise TopqError(f"{type(self).__name__} cannot execute {op.name}")
-        # A kernel that needs the op itself (e.g. the region of a top.DSLRegion, see topq.raw) specialises
-        # itself once per op here, at plan time, instead of on every call.
-        bind = getattr(kernel, "bind", None)
-        return bind(op) if bind is not None else kernel
+        return kernel
 
     # -- execution -------------------------------------------------------------------------------
     def plan(self, function: Function) -> Plan:

@@ -215,11 +215,11 @@ class Lowering:
         have = x.type
         if have == type_:
             return x
-        if type_.name in FLOAT_TYPES and have.dtype in ("index", "i64", "i32"):
+        if type_.name in FLOAT_TYPES and have.name in ("index", "i64", "i32"):
             if have == INDEX:
                 x = self.emit(node, "arith.index_cast", [x], [ScalarType("i64")]).result
             return self.emit(node, "arith.sitofp", [x], [type_]).result
-        if type_ == INDEX and have.dtype in ("i64", "i32"):
+        if type_ == INDEX and have.name in ("i64", "i32"):
             return self.emit(node, "arith.index_cast", [x], [INDEX]).result
         raise self.src.fail(node, f"a {have} value is used where {type_} is needed")
 

@@ -25,7 +25,7 @@ import numpy as np
 from topq.core.errors import TopqError
 from topq.core.ir import Block, Function, Module
 from topq.core.printer import print_module
-from topq.core.types import DYNAMIC, ScalarType, TensorType, Type
+from topq.core.types import DYNAMIC, ScalarType, TensorType, Type, dtype_name
 from topq.raw.annotations import Param, ParamKind
 from topq.raw.frontend import KernelSource, Lowering, parse_params, read_source
 from topq.raw.interpret import BlockExecutor
@@ -127,11 +127,10 @@ class Kernel:
                 a = arrays[p.name]
                 types[p.name] = self.bind(p, _array_type(a, p, where), where)
         spec = self.specialise(types, self.check_nums(nums, where))
-        buffers = []
-        for name, arg in zip(spec.executor.arg_names, spec.function.args):
-            a = arrays[name]
-            is_out = any(p.name == name for p in self.inouts)
-            buffers.append(np.array(a, copy=True) if is_out else _read_only(a))
+        outs = {p.name for p in self.inouts}
+        # InOuts are written in a copy (the caller's array is the result's initial contents, not its storage).
+        buffers = [np.array(arrays[n], copy=True) if n in outs else _read_only(arrays[n])
+                   for n in spec.executor.arg_names]
         spec.executor.run(buffers)
         by_name = dict(zip(spec.executor.arg_names, buffers))
         results = tuple(by_name[p.name] for p in self.inouts)
@@ -159,8 +158,6 @@ def _placeholder(t: Type) -> Type:
 
 
 def _array_type(a: np.ndarray, p: Param, where: str) -> TensorType:
-    from topq.core.types import dtype_name
-
     try:
         return TensorType(tuple(int(d) for d in a.shape), dtype_name(a.dtype))
     except TopqError:

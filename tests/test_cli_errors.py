@@ -16,7 +16,6 @@ from conftest import AUSTEN, TINY_STAGES, TinyHost, smol_path
 
 from topq.core import cli
 from topq.core.bundle import Bundle
-from topq.core.runtime import Session
 from topq.core.safetensors_io import SafetensorsFile, write_safetensors
 
 TinyFactory = Callable[..., TinyHost]

@@ -89,9 +89,8 @@ def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool,
         raise TopqError("give exactly one of --prompt and --prompt-ids")
     loaded = Bundle(bundle)
     session = Session(loaded)
-    # Text prompts need the tokenizer; --prompt-ids uses it only to print text, and only if the bundle has one.
-    has_tokenizer = bool(loaded.meta.get("tokenizer"))
-    tokenizer = loaded.tokenizer if prompt is not None or (has_tokenizer and not as_json) else None
+    # Text prompts need the tokenizer; --prompt-ids uses it to show text when the bundle has one.
+    tokenizer = loaded.tokenizer if prompt is not None or loaded.meta.get("tokenizer") else None
     if prompt is not None:
         if use_chat:
             ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],

@@ -141,6 +141,12 @@ class SafetensorsFile:
 
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 _CODES = {dt: code for code, dt in DTYPES.items()}
 
 
@@ -178,6 +184,7 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]
                 fh.write(np.ascontiguousarray(array).tobytes())
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

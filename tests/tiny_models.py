@@ -21,6 +21,8 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "linear_rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", {
         "rope_theta": 5000.0,
         "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

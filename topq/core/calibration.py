@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +36,13 @@ from tqdm import tqdm
 from topq.core.errors import TopqError
 from topq.core.interpreter import Interpreter, Step
 from topq.core.ir import Function, Operation, Value
-from topq.core.quant import QuantizedWeight, QuantScheme
-from topq.core.quant_math import check_bits, output_error, quantize_groups, resolve_group_size
+from topq.core.quant import QuantizedWeight, QuantScheme, round_to_dtype
+from topq.core.quant_math import (
+    check_bits,
+    output_error,
+    quantize_groups,
+    resolve_group_size,
+)
 from topq.core.reference_ops import gelu, silu
 from topq.core.stages import StageConfig, build_program, rope_weights
 
@@ -143,16 +148,24 @@ def _tokenizer(files: Mapping[str, str] | None, source: Path) -> Any:
 _TEXT_CHUNK = 1 << 16  # characters per tokenizer call: keeps the progress bar moving on one big book
 
 
+def _split_text(text: str, size: int = _TEXT_CHUNK) -> list[str]:
+    """Pieces of at most `size` characters, cut after a paragraph break (else before a space, where BPE tokenizers
+    start a new word anyway), so cutting changes the tokens as little as possible."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        window = text[start:start + size]
+        paragraph = window.rfind("\n\n")
+        cut = paragraph + 2 if paragraph > 0 else window.rfind(" ")
+        cut = cut if cut > 0 else size
+        pieces.append(window[:cut])
+        start += cut
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
+
+
 def _tokenize(tokenizer: Any, texts: Sequence[str], source: Path, progress: bool) -> list[np.ndarray]:
-    chunks: list[str] = []
-    for text in texts:
-        # Cut long texts after paragraph breaks so a token never straddles two calls.
-        start = 0
-        while start < len(text):
-            end = len(text) if len(text) - start <= _TEXT_CHUNK else text.rfind("\n\n", start + 1, start + _TEXT_CHUNK)
-            end = start + _TEXT_CHUNK if end <= start else end + 2
-            chunks.append(text[start:end])
-            start = end
+    chunks = [piece for text in texts for piece in _split_text(text)]
     out = []
     for chunk in tqdm(chunks, desc=f"tokenize {source.name}", unit="chunk", disable=not progress or len(chunks) < 4):
         ids = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
@@ -238,9 +251,11 @@ class LayerState:
     and fold scales into an earlier op with `scale_rows`. `version` changes on every write so the interpreter
     knows to reload its weights."""
 
-    def __init__(self, model_weight: Callable[[str], np.ndarray], extra: Mapping[str, np.ndarray] | None = None) -> None:
+    def __init__(self, model_weight: Callable[[str], np.ndarray], extra: Mapping[str, np.ndarray] | None = None,
+                 scale_dtype: str = "f32") -> None:
         self._model_weight = model_weight
         self._extra = dict(extra or {})
+        self.scale_dtype = scale_dtype
         self.result = CalibrationResult()
         self._float_cache: dict[str, np.ndarray] = {}
         self._dequant_cache: dict[str, np.ndarray] = {}
@@ -277,6 +292,11 @@ class LayerState:
         return True
 
     def set_quantized(self, name: str, qw: QuantizedWeight) -> None:
+        """Publish a quantized linear. Its scales are stored as the target stores them (the compute dtype), so the
+        rest of the calibration — and the host bundle — computes with exactly the chip's values."""
+        if self.scale_dtype != "f32":
+            qw = QuantizedWeight(qw.codes, round_to_dtype(qw.scales, self.scale_dtype), qw.zeros, qw.bits,
+                                 qw.group_size, qw.symmetric, qw.g_idx)
         self.result[name] = qw
         self._dequant_cache.pop(name, None)
         self.version += 1
@@ -300,7 +320,7 @@ class LayerState:
 
     def scale_rows(self, name: str, factor: np.ndarray) -> None:
         """Multiply output row n of tensor `name` by factor[n] (a 1-D tensor: element n). A quantized linear
-        keeps its codes: its per-row scales absorb the factor exactly."""
+        keeps its codes: its per-row scales absorb the factor (exact up to storing the scales in the compute dtype)."""
         factor = np.asarray(factor, dtype=np.float64)
         qw = self.result.get(name)
         if qw is not None:
@@ -316,11 +336,10 @@ class LayerState:
                h: np.ndarray, bits: int, group_size: int | None, symmetric: bool) -> None:
         """Log each linear's calibration output error next to plain RTN's (both through the same H)."""
         for name, w, w_eff in zip(names, weights, effective):
-            base = rtn_error = float(output_error(w, quantize_groups(w, bits, group_size, symmetric).dequantize(),
-                                                  h).sum())
+            rtn_error = float(output_error(w, quantize_groups(w, bits, group_size, symmetric).dequantize(), h).sum())
             error = float(output_error(w, w_eff, h).sum())
             self.result.report.append({"name": name, "rtn_error": rtn_error, "error": error,
-                                       "ratio": error / base if base > 0 else 0.0})
+                                       "ratio": error / rtn_error if rtn_error > 0 else 0.0})
 
     def end_layer(self) -> None:
         """Drop cached float copies of the finished layer (memory stays at one layer's weights)."""
@@ -449,7 +468,10 @@ def _fold_target(x: Value, group_ops: set[int], users: Mapping[int, list[Operati
         reshape = v.owner
         if not (isinstance(reshape, Operation) and reshape.name == "top.Reshape"):
             return None
-        if any(u is not producer for u in users.get(id(v), [])) or len(users.get(id(reshape.operands[0]), [])) != 1:
+        # v is also a block output (the KV cache): scaled values there are fine, because every stage reads the
+        # cache through the same scaled v_proj / o_proj pair.
+        if any(u is not producer and u is not None for u in users.get(id(v), [])) \
+                or len(users.get(id(reshape.operands[0]), [])) != 1:
             return None
         linear = reshape.operands[0].owner
         if not (isinstance(linear, Operation) and linear.name == "top.MatMul"
@@ -530,11 +552,13 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     spec, family = model.spec, model.family
     shapes = {name: model.checkpoint.weights.shape(name) for name in model.checkpoint.weights.names()}
     module = build_program(spec, family, StageConfig(seq_len, seq_len, False, ()), shapes)
-    state = LayerState(model.weight, rope_weights(spec, seq_len))
+    state = LayerState(model.weight, rope_weights(spec, seq_len), scale_dtype=str(options.get("act_dtype", "f32")))
     interp = _CaptureInterpreter(module, state)
     hidden = np.stack([interp.run("embedding", [w[None]])[0][0] for w in windows])  # [samples, L, H]
     positions = np.arange(seq_len, dtype=np.int32)[None]
     plans = [_find_groups(module[f"block_{i}"], family, spec, i) for i in range(spec.num_layers)]
+    for plan in (p for layer_plans in plans for p in layer_plans):  # fail before hours of calibration, not after
+        resolve_group_size(options.get("group_size"), plan.k, what=" / ".join(plan.names))
     bar = tqdm(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
     try:
         for layer, layer_plans in enumerate(plans):

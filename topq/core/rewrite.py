@@ -20,22 +20,24 @@ PatternTable = Mapping[str, Sequence[Pattern]]
 class Rewriter:
     def __init__(self, module: Module) -> None:
         self.builder = Builder(module)
-        self.replacements: dict[int, Value] = {}
-        self.erased: set[int] = set()
+        # Keyed by id() for speed; each entry also holds the old value so its id cannot be reused by a new
+        # object while the rewriter lives (the replaced op may otherwise be garbage-collected).
+        self.replacements: dict[int, tuple[Value, Value]] = {}
+        self.erased: dict[int, Operation] = {}
 
     def replace(self, op: Operation, values: Sequence[Value]) -> None:
         if len(values) != len(op.results):
             raise TopqError(f"replacing {op.name}: {len(values)} values for {len(op.results)} results")
         for old, new in zip(op.results, values):
-            self.replacements[id(old)] = new
-        self.erased.add(id(op))
+            self.replacements[id(old)] = (old, new)
+        self.erased[id(op)] = op
 
     def erase(self, op: Operation) -> None:
-        self.erased.add(id(op))
+        self.erased[id(op)] = op
 
     def resolve(self, value: Value) -> Value:
         while id(value) in self.replacements:
-            value = self.replacements[id(value)]
+            value = self.replacements[id(value)][1]
         return value
 
 

@@ -21,10 +21,20 @@ from typing import Any
 import numpy as np
 
 import topq
-from topq.core.calibration import FoldTarget, GroupInputs, LayerState, calibration_scheme
+from topq.core.calibration import (
+    FoldTarget,
+    GroupInputs,
+    LayerState,
+    calibration_scheme,
+)
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
-from topq.core.quant_math import check_bits, fake_quant, quantize_groups, resolve_group_size
+from topq.core.quant_math import (
+    check_bits,
+    fake_quant,
+    quantize_groups,
+    resolve_group_size,
+)
 
 N_GRID = 20
 MAX_SHRINK = 0.5  # clipping tries ranges down to 1 - MAX_SHRINK (exclusive) of the full one

@@ -32,9 +32,9 @@ OPTIONS = ("bits", "group_size", "symmetric", "lm_head")
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
-    """C's std::round: halves go away from zero (x - trunc(x) is exact, so ties are detected exactly)."""
-    t = np.trunc(x)
-    return t + np.where(np.abs(x - t) >= 0.5, np.sign(x), 0).astype(x.dtype)
+    """C's std::round: halves go away from zero. x ± 0.5 is exact in float64 for float32 x, so trunc is exact."""
+    y = np.asarray(x, dtype=np.float64) + np.copysign(0.5, x)
+    return np.trunc(y).astype(np.asarray(x).dtype)
 
 
 def rtn_values(w: np.ndarray, bits: int, group_size: int, symmetric: bool) -> tuple[np.ndarray, ...]:

@@ -67,7 +67,7 @@ def report(bundle: Bundle, chip: ChipSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"memory": memory, "layer_groups": groups, "text_sections": ["\n".join(lines)]}
     try:
         out["predicted"] = _perf(chip)(bundle=bundle)
-    except Exception as exc:  # the perf model is optional for inspect; say why it is missing
+    except (TopqError, ImportError, KeyError, ValueError) as exc:  # optional for inspect; say why it is missing
         out["predicted_error"] = str(exc)
     return out
 

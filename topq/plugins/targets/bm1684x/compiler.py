@@ -25,12 +25,11 @@ def compile_model(job: CompileJob, chip: ChipSpec) -> CompiledModel:
     module = parse_module(print_module(job.module), source="top program")
     lowering = Lowering(job, mode)
     lowering.run(module)
-    verify_module(module)
     reports = {f.name: assign_groups(f, chip).to_dict() for f in module}
     types = lowering.tensor_types(module)
     plan = plan_memory(module, types, chip)
     module.attrs["bm.mode"] = mode.name
-    verify_module(module)
+    verify_module(module)  # the lowered ops with every attribute the passes added
     metadata: dict[str, Any] = {
         "chip": chip.name,
         "mode": mode.name,

@@ -104,7 +104,7 @@ def _a16mlp(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
 
 
 def _fattention(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
-    q, k, v, *rest = _tensors(types)
+    q, k, _, *rest = _tensors(types)
     history = attrs.get("history", 0)
     mask = rest[0] if attrs.get("has_mask", False) and rest else None
     want = (1 if attrs.get("has_mask", False) else 0) + (2 if history else 0)

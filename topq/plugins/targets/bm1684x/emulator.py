@@ -158,6 +158,7 @@ class FunctionPlan:
     outputs: list[Reader]
     output_refs: list[DdrRef | None]
     frees_after_inputs: list[DdrRef] = field(default_factory=list)
+    attention_attrs: list[dict[str, Any]] = field(default_factory=list)  # get this call's visible history rows
 
 
 @dataclass
@@ -286,10 +287,11 @@ class Emulator:
                 writer(arrays[i])
         if plan.history:
             mask = arrays[plan.mask_arg] if plan.mask_arg is not None else None
+            visible = visible_history(mask, plan.args[plan.history[0][0]].shape[1], plan.args[0].shape[1])
             for index, layer, kind in plan.history:
-                rows = arrays[index].shape[1]
-                new = plan.args[0].shape[1]
-                self._sync(layer, kind, arrays[index], visible_history(mask, rows, new), name)
+                self._sync(layer, kind, arrays[index], visible, name)
+            for attrs in plan.attention_attrs:
+                attrs["visible"] = visible
         if checker:
             self._run_checked(plan, name)
         else:
@@ -390,7 +392,7 @@ class _Planner:
             return -1
         key = id(value)
         if key not in self.tids:
-            self.tids[key] = self.checker.register(f"@{self.f.name}: {value_name(value)}")
+            self.tids[key] = self.checker.register(value_name(value))
         return self.tids[key]
 
     def ref(self, value: Value) -> DdrRef | None:
@@ -503,8 +505,11 @@ class _Planner:
         outputs = [self.reader(v) for v in f.results]
         output_refs = [self.ref(v) for v in f.results]
         history = [(index, lk[0], lk[1]) for index, lk in sorted(self.kv_args.items())]
+        # the history rows the mask leaves visible are computed once per call (from the caller's mask)
+        attention = [s.attrs for s in steps if s.op.name == "tpu.FAttention" and s.attrs.get("history")
+                     and s.attrs.get("has_mask") and mask_arg is not None and s.op.operands[3] is f.args[mask_arg]]
         return FunctionPlan(f, args, arg_writers, arg_refs, history, mask_arg, steps, outputs, output_refs,
-                            frees_first)
+                            frees_first, attention)
 
     def _last_uses(self, ops: list[Operation]) -> dict[Value, int]:
         """Step index after which each DDR root (not a result, not the KV cache) is dead (-1: unused argument)."""
@@ -534,8 +539,9 @@ class _Planner:
             return Step(op, emu.kv_store(int(op.attrs["layer"]), op.attrs["kind"]),
                         [self.reader(v) for v in op.operands], [], attrs)
         operands = list(op.operands)
-        if op.name == "tpu.MatMul" and not is_weight(operands[1]):
-            kernel = REFERENCE_OPS["top.MatMul"]  # activation × activation
+        if op.name == "tpu.MatMul" and not (is_weight(operands[1]) and attrs.get("right_transpose")
+                                             and len(operands[1].shape) == 2):
+            kernel = REFERENCE_OPS["top.MatMul"]  # activations, or a weight in another layout
             readers = [self.reader(v) for v in operands]
         elif op.name == "tpu.MatMul":
             kernel = KERNELS[op.name]

@@ -82,8 +82,11 @@ def visible_history(mask: np.ndarray | None, history: int, new: int) -> int:
     without a mask). Hidden columns contribute exactly 0 after the softmax, so skipping them is exact."""
     if mask is None or mask.shape[-1] != history + new:
         return history
-    cols = np.asarray(mask)[..., :history].reshape(-1, history) > FULLY_MASKED_SCORE
-    seen = np.flatnonzero(cols.any(axis=0))
+    if mask.size == history + new:  # the runtime's [1, 1, 1, S + L] key mask
+        cols = mask.reshape(-1)[:history] > FULLY_MASKED_SCORE
+    else:
+        cols = (mask[..., :history].reshape(-1, history) > FULLY_MASKED_SCORE).any(axis=0)
+    seen = np.flatnonzero(cols)
     return int(seen[-1]) + 1 if seen.size else 0
 
 
@@ -102,7 +105,7 @@ def fattention(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray
     values = [v]
     visible = 0
     if history:
-        visible = visible_history(mask, history, lk)
+        visible = attrs["visible"] if "visible" in attrs else visible_history(mask, history, lk)
         if visible:
             hk = args[-2][:, :visible].astype(F32)
             hv = args[-1][:, :visible].astype(F32)
@@ -116,7 +119,7 @@ def fattention(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray
         if history and mask.shape[-1] == history + lk:  # drop the hidden history columns with their rows
             mask = np.concatenate([mask[..., :visible], mask[..., history:]], axis=-1)
         s += mask
-    if attrs.get("causal", True):
+    if attrs.get("causal", True) and lk > 1:  # one new key: nothing to hide
         i = np.arange(lq)[:, None]
         j = np.arange(lk)[None, :]
         # bottom-right aligned over the new keys; every history row precedes all queries
@@ -141,6 +144,34 @@ def fattention(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray
     return [out.reshape(b, hq, lq, d).transpose(0, 2, 1, 3).reshape(b, lq, hq * d)]
 
 
+def rmsnorm(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """Top's RMSNorm arithmetic (f32 mean of squares, x * 1/sqrt(ms + eps) * w) without its checks."""
+    x = args[0]
+    ms = np.square(x).sum(axis=-1, keepdims=True)
+    ms /= F32(x.shape[-1])
+    ms += F32(attrs["eps"])
+    y = x * (F32(1) / np.sqrt(ms))
+    if len(args) > 1:
+        y *= args[1]
+    return [y]
+
+
+def rope(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """Full-width contiguous-halves RoPE with Top's float operations (x1 c - x2 s, x2 c + x1 s); other layouts go
+    to the reference kernel."""
+    x, cos, sin = args
+    d = x.shape[-1]
+    if attrs.get("mode", "contiguous_halves") != "contiguous_halves" or cos.shape[-1] != d or x.ndim != 4:
+        return _ref("Rope")(args, attrs)
+    h = d // 2
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    out = x * c
+    rotated = np.concatenate([x[..., h:], x[..., :h]], axis=-1) * s
+    out[..., :h] -= rotated[..., :h]
+    out[..., h:] += rotated[..., h:]
+    return [out]
+
+
 def cast(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     return [args[0]]  # the store rounds to the new dtype
 
@@ -158,6 +189,8 @@ KERNELS: dict[str, Any] = {
     "tpu.A16MLP": mlp,
     "tpu.FAttention": fattention,
     "tpu.Cast": cast,
-    **{f"tpu.{n}": _ref(n) for n in ("RMSNorm", "LayerNorm", "Add", "Mul", "MulConst", "SiLU", "GELU", "Softmax",
-                                     "Rope", "Reshape", "Permute", "Slice", "Concat", "TopK")},
+    "tpu.RMSNorm": rmsnorm,
+    "tpu.Rope": rope,
+    **{f"tpu.{n}": _ref(n) for n in ("LayerNorm", "Add", "Mul", "MulConst", "SiLU", "GELU", "Softmax", "Reshape",
+                                     "Permute", "Slice", "Concat", "TopK")},
 }

@@ -19,7 +19,7 @@ forms a group of its own. `group` ids number the groups of a function from 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,11 @@ def root(value: Value) -> Value:
 
 
 def _nbytes(value: Value) -> int:
-    t = value.type
+    return _type_bytes(value.type)
+
+
+@functools.lru_cache(maxsize=4096)
+def _type_bytes(t: object) -> int:
     return t.nbytes if isinstance(t, TensorType) else 0
 
 
@@ -93,6 +97,9 @@ class LocalMemory:
         return weights[0].shape[0]
 
     def weights(self, op: Operation) -> int:
+        """Weight bytes streamed through local memory (a gather fetches only its rows: counted as its result)."""
+        if op.name == "tpu.Gather":
+            return 0
         return sum(_nbytes(v) for v in op.operands if is_weight(v))
 
     def scratch(self, op: Operation, seq: int, ch: int) -> int:
@@ -258,7 +265,3 @@ def ddr_values(function: Function) -> dict[int, Value]:
             if owner.attrs.get("group") != group or op.name in GLOBAL_OPS or owner.name in GLOBAL_OPS:
                 out[id(r)] = r
     return out
-
-
-def iter_compute_ops(function: Function) -> Iterable[Operation]:
-    return (op for op in function.ops if op.name != "tpu.Weight")

@@ -89,9 +89,7 @@ class Lowering:
             for arg in function.args:  # activations cross function boundaries in the mode's dtype
                 if isinstance(arg.type, TensorType) and arg.type.dtype in FLOAT_DTYPES:
                     arg.type = arg.type.with_dtype(self.dtype)
-        self._replaced: list[Operation] = []
         apply_patterns(module, self.table())
-        self._replaced.clear()
         for function in module:
             for op in function.walk():
                 if not op.name.startswith("tpu."):
@@ -106,17 +104,7 @@ class Lowering:
         table["top.MatMul"] = [self._matmul]
         table["top.MLP"] = [self._mlp]
         table["top.FAttention"] = [self._fattention]
-        return {name: [self._keeping(p) for p in patterns] for name, patterns in table.items()}
-
-    def _keeping(self, pattern: Pattern) -> Pattern:
-        """The rewriter maps replaced values by id(); keeping the replaced ops alive until lowering ends stops a
-        freed value's id from being reused by a new value (which would then resolve to the wrong replacement)."""
-
-        def keep(op: Operation, rw: Rewriter) -> bool:
-            self._replaced.append(op)
-            return pattern(op, rw)
-
-        return keep
+        return table
 
     # -- weights ---------------------------------------------------------------------------------------
     def quantized(self, source: str | None) -> QuantizedWeight | None:

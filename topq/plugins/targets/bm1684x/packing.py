@@ -25,7 +25,7 @@ def packed_shapes(n: int, k: int, bits: int, group_size: int) -> dict[str, tuple
 
 def check_quantized(q: QuantizedWeight, name: str) -> None:
     """Refuse what the A16MatMul layout cannot hold (one line naming the weight)."""
-    n, k = q.codes.shape
+    k = q.codes.shape[1]
     if q.bits not in (4, 8):
         raise TopqError(f"{name}: bm1684x stores 4- or 8-bit weights, not {q.bits}-bit")
     if q.g_idx is not None and not np.array_equal(q.g_idx, np.arange(k) // q.group_size):

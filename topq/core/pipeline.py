@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,8 @@ from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.ir import Module
 from topq.core.plugins import Plugins, get_plugins
 from topq.core.printer import print_function
-from topq.core.quant import QuantizedWeight
+from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
+from topq.core.quant_math import resolve_group_size
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.core.target import CompileJob
@@ -88,38 +89,63 @@ def linear_weight_names(module: Module) -> frozenset[str]:
     return frozenset(names)
 
 
-def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins,
-                   linear_names: frozenset[str]) -> Callable[[str], QuantizedWeight | None]:
-    """Decide, per weight, the quantized values a target should pack (None = keep it in the compute dtype).
+@dataclass(eq=False)
+class Quantizer:
+    """Per weight: the quantized values a target should pack (None = keep it in the compute dtype), and their layout.
 
     Linears follow the scheme (calibrated solvers first, then round-to-nearest, or the checkpoint's own values for
     `auto`). The lm_head (or the tied embedding used as lm_head) follows `quant.lm_head`: a float mode keeps it
-    unquantized; a weight-only scheme name quantizes it with that scheme.
+    unquantized; a weight-only scheme name quantizes it with that scheme. Values are computed on demand and not
+    kept, so a target can stream weights one at a time; the layout (`spec`) is cheap and cached.
     """
-    scheme = plugins.schemes.get(recipe.quant.scheme)
-    options = recipe.to_dict()["quant"]
-    lm_head_name = model.family.global_weights["embed" if model.spec.tie_word_embeddings else "lm_head"]
-    lm_head_scheme = plugins.schemes.get(recipe.quant.lm_head)
-    precomputed = scheme.calibrate(model, recipe) if scheme.calibrate is not None else {}
-    from_checkpoint = getattr(model.checkpoint.weights, "quantized", None)
 
-    @functools.cache
-    def quantized(name: str) -> QuantizedWeight | None:
-        if name not in linear_names:
+    model: LoadedModel
+    scheme: QuantScheme
+    lm_head_scheme: QuantScheme
+    options: dict[str, Any]
+    linear_names: frozenset[str]
+    precomputed: Mapping[str, QuantizedWeight]
+
+    @property
+    def lm_head_name(self) -> str:
+        return self.model.family.global_weights["embed" if self.model.spec.tie_word_embeddings else "lm_head"]
+
+    def _scheme_for(self, name: str) -> QuantScheme | None:
+        if name not in self.linear_names:
             return None
-        if name == lm_head_name:
-            if lm_head_scheme.quantize is None:
-                return None
-            return lm_head_scheme.quantize(model.weight(name), options)
-        if name in precomputed:
-            return precomputed[name]
-        if scheme.name == "auto" and from_checkpoint is not None:
-            return from_checkpoint(name)
+        return self.lm_head_scheme if name == self.lm_head_name else self.scheme
+
+    def values(self, name: str) -> QuantizedWeight | None:
+        scheme = self._scheme_for(name)
+        if scheme is None:
+            return None
+        if scheme is self.scheme and name in self.precomputed:
+            return self.precomputed[name]
+        if scheme is self.scheme and scheme.name == "auto":
+            from_checkpoint = getattr(self.model.checkpoint.weights, "quantized", None)
+            return from_checkpoint(name) if from_checkpoint is not None else None
         if scheme.quantize is not None:
-            return scheme.quantize(model.weight(name), options)
+            return scheme.quantize(self.model.weight(name), self.options)
         return None
 
-    return quantized
+    @functools.cache  # noqa: B019 - one Quantizer per conversion
+    def spec(self, name: str) -> QuantSpec | None:
+        scheme = self._scheme_for(name)
+        if scheme is None:
+            return None
+        if scheme.quantize is not None and scheme.weight_bits and name not in self.precomputed:
+            n, k = self.model.checkpoint.weights.shape(name)
+            group_size = resolve_group_size(self.options.get("group_size", 64), k, name)
+            return QuantSpec((n, k), scheme.weight_bits, group_size, bool(self.options.get("symmetric", False)))
+        q = self.values(name)
+        return q.spec if q is not None else None
+
+
+def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_names: frozenset[str]) -> Quantizer:
+    scheme = plugins.schemes.get(recipe.quant.scheme)
+    precomputed = scheme.calibrate(model, recipe) if scheme.calibrate is not None else {}
+    return Quantizer(model, scheme, plugins.schemes.get(recipe.quant.lm_head), recipe.to_dict()["quant"],
+                     linear_names, precomputed)
 
 
 def dump_ir(directory: Path, dialect: str, module_text: str | Module) -> None:
@@ -149,9 +175,10 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True)
         dump_ir(Path(dump_dir), "top", model.module)
     quant_options = recipe.to_dict()["quant"]
     linear_names = linear_weight_names(model.module)
+    quantizer = make_quantizer(model, recipe, plugins, linear_names)
     job = CompileJob(module=model.module, spec=model.spec, weights=model.weight, scheme=scheme,
                      quant_options=quant_options, recipe=recipe.to_dict(), linear_weights=linear_names,
-                     quantized=make_quantizer(model, recipe, plugins, linear_names))
+                     quantized=quantizer.values, quant_spec=quantizer.spec)
     compiled = target.compile(job)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), target.name, compiled.program)

@@ -15,6 +15,17 @@ import numpy as np
 from topq.core.errors import TopqError
 
 
+@dataclass(frozen=True)
+class QuantSpec:
+    """What a target needs to lay out a quantized weight, known before its values are computed (streaming)."""
+
+    shape: tuple[int, int]  # [N, K]
+    bits: int
+    group_size: int
+    symmetric: bool
+    act_order: bool = False  # columns grouped by a non-trivial g_idx
+
+
 @dataclass
 class QuantizedWeight:
     """Integer codes with per-group scales and zero points: w ≈ (codes - zeros) * scales, group-wise along K.
@@ -32,6 +43,12 @@ class QuantizedWeight:
     group_size: int
     symmetric: bool
     g_idx: np.ndarray | None = None
+
+    @property
+    def spec(self) -> QuantSpec:
+        n, k = self.codes.shape
+        act_order = self.g_idx is not None and not np.array_equal(self.g_idx, np.arange(k) // self.group_size)
+        return QuantSpec((n, k), self.bits, self.group_size, self.symmetric, act_order)
 
     def dequantize(self) -> np.ndarray:
         n, k = self.codes.shape

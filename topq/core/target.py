@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from topq.core.bundle import Bundle
     from topq.core.family import ModelSpec
     from topq.core.ir import Module
-    from topq.core.quant import QuantizedWeight, QuantScheme
+    from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
 
 
 @dataclass
@@ -29,6 +29,8 @@ class CompileJob:
     #: the scheme's values for a weight-quantized linear (None: keep it in the compute dtype). The pipeline
     #: decides (scheme, quant.lm_head, pre-quantized checkpoints); targets only pack what it returns.
     quantized: Callable[[str], QuantizedWeight | None] = lambda name: None
+    #: the layout of `quantized(name)` without computing it (lowering and memory planning need only this)
+    quant_spec: Callable[[str], QuantSpec | None] = lambda name: None
 
 
 @dataclass

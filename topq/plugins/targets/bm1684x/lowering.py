@@ -25,13 +25,13 @@ import numpy as np
 from topq.core.builder import Builder
 from topq.core.errors import TopqError
 from topq.core.ir import Block, Function, Module, Operation, Value
-from topq.core.quant import QuantizedWeight, round_to_dtype
+from topq.core.quant import QuantSpec, round_to_dtype
 from topq.core.rewrite import Rewriter, apply_patterns
 from topq.core.target import CompileJob
 from topq.core.types import TensorType
 from topq.plugins.targets.bm1684x import dialect  # noqa: F401  (registers the tpu ops)
 from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES, NP_DTYPES, Mode
-from topq.plugins.targets.bm1684x.packing import check_quantized, pack, packed_shapes
+from topq.plugins.targets.bm1684x.packing import check_spec, pack, packed_shapes
 
 Pattern = Callable[[Operation, Rewriter], bool]
 
@@ -80,7 +80,7 @@ class Lowering:
         self.mode = mode
         self.dtype = mode.dtype
         self.sources: dict[str, TensorSource] = {}
-        self._quant: dict[str, QuantizedWeight | None] = {}
+        self._quant: dict[str, QuantSpec | None] = {}
         self._packed: dict[str, dict[str, np.ndarray]] = {}
 
     # -- driver ----------------------------------------------------------------------------------------
@@ -107,13 +107,14 @@ class Lowering:
         return table
 
     # -- weights ---------------------------------------------------------------------------------------
-    def quantized(self, source: str | None) -> QuantizedWeight | None:
+    def quantized(self, source: str | None) -> QuantSpec | None:
+        """The layout of a weight the pipeline quantizes (values are computed only when codegen packs them)."""
         if source is None:
             return None
         if source not in self._quant:
-            q = self.job.quantized(source)
+            q = self.job.quant_spec(source)
             if q is not None:
-                check_quantized(q, source)
+                check_spec(q, source)
             self._quant[source] = q
         return self._quant[source]
 
@@ -122,8 +123,8 @@ class Lowering:
         self._record(source, TensorSource(source, "float", t))
         return b.op("tpu.Weight", result_types=[t], name=source)
 
-    def packed_weight(self, b: Builder, source: str, q: QuantizedWeight) -> list[Value]:
-        n, k = q.codes.shape
+    def packed_weight(self, b: Builder, source: str, q: QuantSpec) -> list[Value]:
+        n, k = q.shape
         shapes = packed_shapes(n, k, q.bits, q.group_size)
         dtypes = {"weight": "i8" if q.symmetric and q.bits == 8 else "ui8", "scale": self.dtype, "zp": "ui8"}
         values = []
@@ -155,8 +156,9 @@ class Lowering:
                 array = round_to_dtype(self.job.weights(src.source), self.dtype).astype(NP_DTYPES[self.dtype])
             else:
                 if src.source not in self._packed:
-                    q = self.quantized(src.source)
-                    assert q is not None
+                    q = self.job.quantized(src.source)
+                    if q is None or q.spec != self.quantized(src.source):
+                        raise TopqError(f"{src.source}: quantized values do not match the layout planned for them")
                     self._packed = {src.source: pack(q, self.dtype, src.source)}  # one weight's parts at a time
                 array = self._packed[src.source][src.part]
             if tuple(array.shape) != src.type.shape or array.dtype != src.type.np_dtype:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight
+from topq.core.quant import QuantizedWeight, QuantSpec
 from topq.plugins.targets.bm1684x.modes import NP_DTYPES
 
 
@@ -23,16 +23,21 @@ def packed_shapes(n: int, k: int, bits: int, group_size: int) -> dict[str, tuple
     return {"weight": (n, k * bits // 8), "scale": (n, k // group_size), "zp": (n, k // group_size)}
 
 
-def check_quantized(q: QuantizedWeight, name: str) -> None:
-    """Refuse what the A16MatMul layout cannot hold (one line naming the weight)."""
-    k = q.codes.shape[1]
+def check_spec(q: QuantSpec, name: str) -> None:
+    """Refuse a layout the A16MatMul storage cannot hold (one line naming the weight)."""
+    k = q.shape[1]
     if q.bits not in (4, 8):
         raise TopqError(f"{name}: bm1684x stores 4- or 8-bit weights, not {q.bits}-bit")
-    if q.g_idx is not None and not np.array_equal(q.g_idx, np.arange(k) // q.group_size):
+    if q.act_order:
         raise TopqError(f"{name}: bm1684x cannot run act-order (permuted g_idx) groups; requantize without act_order")
     if k % q.group_size or (q.bits == 4 and k % 2):
         raise TopqError(f"{name}: K = {k} must be a multiple of the group size {q.group_size}"
                         + (" and even for 4-bit packing" if q.bits == 4 else ""))
+
+
+def check_quantized(q: QuantizedWeight, name: str) -> None:
+    """check_spec, plus what only the values tell."""
+    check_spec(q.spec, name)
     if not q.symmetric and not np.array_equal(q.zeros, np.round(q.zeros)):
         raise TopqError(f"{name}: zero points must be integers for bm1684x (got fractional ones)")
 

@@ -8,6 +8,7 @@ makes its own (sessions are cheap; bundles are not).
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Thread pools on a small, shared machine cost far more than they gain: each parallel region waits for a second
 # thread to be scheduled. Measured on the 2-core test machine under load: numpy (OpenBLAS) 12 ms instead of
@@ -15,6 +16,8 @@ import os
 # Must be set before numpy/torch are imported; an explicit setting in the environment wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# CLI conversions keep a build cache; tests must not write into the user's ~/.cache.
+os.environ.setdefault("TOPQ_CACHE_DIR", tempfile.mkdtemp(prefix="topq-test-cache-"))
 
 import importlib.util
 from collections.abc import Callable

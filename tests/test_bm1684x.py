@@ -400,7 +400,7 @@ def test_small_local_memory_tiles_and_still_runs(tiny: Any, tmp_path: Path) -> N
     assert all(r["peak_lmem_per_lane"] <= chip.local_mem_per_lane for r in reports.values())
     module = parse_module(compiled.program)
     assert any("tiling" in op.attrs for op in module["block_0"].ops)
-    tensors = dict(compiled.tensors)  # type: ignore[arg-type]
+    tensors = dict(compiled.produce(list(compiled.manifest)))
     emulator = Emulator(compiled.program, tensors.__getitem__, chip, checker=True)
     function = module["block_0"]
     assert all(np.isfinite(o).all() for o in emulator.run("block_0", function_inputs(function, 1)))
@@ -414,9 +414,10 @@ def compile_job(directory: Path, scheme: str, tmp: Path, **quant: Any) -> Compil
     plugins = get_plugins()
     model = load_model(r, plugins)
     names = linear_weight_names(model.module)
+    quantizer = make_quantizer(model, r, plugins, names)
     return CompileJob(module=model.module, spec=model.spec, weights=model.weight,
                       scheme=plugins.schemes.get(scheme), quant_options=r.to_dict()["quant"], recipe=r.to_dict(),
-                      linear_weights=names, quantized=make_quantizer(model, r, plugins, names))
+                      linear_weights=names, quantized=quantizer.values, quant_spec=quantizer.spec)
 
 
 def test_group_size_must_divide_k(tiny: Any, tmp_path: Path) -> None:

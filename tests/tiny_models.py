@@ -30,10 +30,11 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def build_tiny(kind: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+def build_tiny(kind: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+               overrides: dict[str, Any] | None = None) -> Any:
     """Create, save (safetensors) and return a tiny random model of `kind` in eval mode."""
-    config_cls, model_cls, overrides = KINDS[kind]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
+    config_cls, model_cls, kind_overrides = KINDS[kind]
+    config = getattr(transformers, config_cls)(**{**COMMON, **kind_overrides, **(overrides or {})})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # norms start at 1; perturb them so a wrong norm weight shows in the logits

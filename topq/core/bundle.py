@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -19,27 +19,40 @@ import numpy as np
 
 from topq.core.errors import TopqError
 from topq.core.family import ModelSpec
-from topq.core.safetensors_io import SafetensorsFile, write_safetensors
+from topq.core.safetensors_io import SafetensorsFile, SafetensorsWriter, TensorData
 
 FORMAT = "topq-bundle"
 FORMAT_VERSION = 1
 
 
 def _tensor_digest(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).reshape(-1)).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
 
 
-def write_bundle(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]] | Mapping[str, np.ndarray],
-                 meta: dict[str, Any]) -> None:
-    """Write a bundle atomically. `meta` needs at least target, program, spec, recipe."""
-    items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-    # Larger element types first keeps every tensor naturally aligned in the data section.
-    items.sort(key=lambda item: -item[1].dtype.itemsize)
+def _meta_metadata(doc: dict[str, Any]) -> dict[str, str]:
+    text = json.dumps(doc, sort_keys=True)
+    return {"topq.meta": text, "topq.meta_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def write_bundle(path: str | Path, manifest: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
+                 tensors: Iterable[tuple[str, TensorData]], meta: dict[str, Any]) -> None:
+    """Stream a bundle to `path` atomically: tensors arrive one at a time in manifest order.
+
+    `meta` needs at least target, program, spec, recipe. Checksums are computed while streaming; the header is
+    first written with same-width placeholders and rewritten at the end.
+    """
     doc = dict(meta)
     doc["format"], doc["format_version"] = FORMAT, FORMAT_VERSION
-    doc["checksums"] = {name: _tensor_digest(array) for name, array in items}
-    text = json.dumps(doc, sort_keys=True)
-    write_safetensors(path, items, {"topq.meta": text, "topq.meta_sha256": hashlib.sha256(text.encode()).hexdigest()})
+    doc["checksums"] = {name: "0" * 64 for name, _, _ in manifest}
+    with SafetensorsWriter(path, list(manifest), _meta_metadata(doc)) as writer:
+        for name, data in tensors:
+            doc["checksums"][name] = writer.write(name, data)
+        writer.finish(_meta_metadata(doc))
+
+
+def write_bundle_arrays(path: str | Path, tensors: Mapping[str, np.ndarray], meta: dict[str, Any]) -> None:
+    """write_bundle for tensors already in memory (tests, small tools)."""
+    write_bundle(path, [(n, a.dtype, tuple(a.shape)) for n, a in tensors.items()], tensors.items(), meta)
 
 
 class Bundle:

@@ -29,14 +29,26 @@ def cli() -> None:
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key (repeatable).")
 @click.option("--dump-ir", type=click.Path(file_okay=False), help="Write one .mlir per function and dialect here.")
+@click.option("--jobs", type=click.IntRange(min=1), help="Parallel compile workers (default: the core count).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where units compile: local processes or a Ray cluster.")
+@click.option("--ray-address", help="Ray cluster address (default: start a local Ray instance).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), help="Build cache (default: $TOPQ_CACHE_DIR or "
+              "~/.cache/topq).")
+@click.option("--no-cache", is_flag=True, help="Do not reuse or keep built units.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
-def convert(recipe: str, overrides: tuple[str, ...], dump_ir: str | None, as_json: bool) -> None:
+def convert(recipe: str, overrides: tuple[str, ...], dump_ir: str | None, jobs: int | None, executor: str,
+            ray_address: str | None, cache_dir: str | None, no_cache: bool, as_json: bool) -> None:
     """Convert a checkpoint into a bundle as RECIPE says."""
+    import os
+
     from topq.core.pipeline import convert as run_convert
     from topq.core.recipe import load_recipe
 
     loaded = load_recipe(recipe, list(overrides))
-    summary = run_convert(loaded, Path(dump_ir) if dump_ir else None, progress=not as_json)
+    summary = run_convert(loaded, Path(dump_ir) if dump_ir else None, progress=not as_json,
+                          jobs=jobs or os.cpu_count() or 1, executor=executor, ray_address=ray_address,
+                          cache_dir=Path(cache_dir) if cache_dir else None, use_cache=not no_cache)
     if as_json:
         _emit_json(summary)
     else:
@@ -305,8 +317,21 @@ def plugins(as_json: bool) -> None:
             click.echo(f"    {kind}: {', '.join(names)}")
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so temp files are removed and no half-written output is left."""
+    import signal
+    import threading
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, turning every expected failure into one line on stderr."""
+    _interrupt_on_sigterm()
     try:
         cli.main(args=argv, prog_name="topq", standalone_mode=False)
     except click.exceptions.Abort:

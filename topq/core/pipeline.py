@@ -13,7 +13,9 @@ import numpy as np
 from tqdm import tqdm
 
 import topq
+from topq.core.build import BuildStats, Prepared, bundle_tensors, default_cache_dir, remember
 from topq.core.bundle import write_bundle
+from topq.core.executors import make_executor
 from topq.core.checkpoint import Checkpoint
 from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec, find_family
@@ -159,35 +161,51 @@ def dump_ir(directory: Path, dialect: str, module_text: str | Module) -> None:
         (out / f"{function.name}.mlir").write_text(print_function(function))
 
 
-def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run the whole conversion; return a JSON-able summary."""
-    started = time.perf_counter()
-    plugins = get_plugins()
-    scheme = plugins.schemes.get(recipe.quant.scheme)
-    target = plugins.targets.get(recipe.target.chip)
+def _check_target_scheme(target: Any, scheme: QuantScheme) -> None:
     if target.schemes and scheme.name not in target.schemes:
         raise TopqError(f"target {target.name} cannot run scheme {scheme.name}; it runs: {', '.join(target.schemes)}")
     if not target.schemes and not scheme.is_float and target.name != "host":
         raise TopqError(f"target {target.name} runs only float schemes")
+
+
+def prepare(recipe: Recipe, dump_dir: Path | None = None) -> Prepared:
+    """Load the model, decide quantization and compile the program (tensors are produced later, on demand)."""
+    plugins = get_plugins()
+    scheme = plugins.schemes.get(recipe.quant.scheme)
+    target = plugins.targets.get(recipe.target.chip)
+    _check_target_scheme(target, scheme)
     model = load_model(recipe, plugins)
-    stages = StageConfig.from_recipe(recipe.stages)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), "top", model.module)
-    quant_options = recipe.to_dict()["quant"]
     linear_names = linear_weight_names(model.module)
     quantizer = make_quantizer(model, recipe, plugins, linear_names)
     job = CompileJob(module=model.module, spec=model.spec, weights=model.weight, scheme=scheme,
-                     quant_options=quant_options, recipe=recipe.to_dict(), linear_weights=linear_names,
+                     quant_options=recipe.to_dict()["quant"], recipe=recipe.to_dict(), linear_weights=linear_names,
                      quantized=quantizer.values, quant_spec=quantizer.spec)
     compiled = target.compile(job)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), target.name, compiled.program)
-    tensors = compiled.tensors.items() if isinstance(compiled.tensors, dict) else compiled.tensors
-    tensors = list(tqdm(tensors, desc="compile weights", unit="tensor", disable=not progress))
+    prepared = Prepared(model, compiled, recipe.to_dict())
+    remember(prepared)
+    return prepared
+
+
+def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True, jobs: int | None = 1,
+            executor: str = "local", ray_address: str | None = None, cache_dir: Path | None = None,
+            use_cache: bool = False) -> dict[str, Any]:
+    """Run the whole conversion; return a JSON-able summary.
+
+    `jobs` / `executor` choose where units compile (executors.py); with `use_cache` built units are kept in
+    `cache_dir` (default ~/.cache/topq) and reused by later conversions.
+    """
+    started = time.perf_counter()
+    prepared = prepare(recipe, dump_dir)
+    model, compiled = prepared.model, prepared.compiled
+    stages = StageConfig.from_recipe(recipe.stages)
     meta = {
         "topq_version": topq.__version__,
-        "target": target.name,
-        "scheme": scheme.name,
+        "target": recipe.target.chip,
+        "scheme": recipe.quant.scheme,
         "program": compiled.program,
         "spec": model.spec.to_dict(),
         "family": model.family.name,
@@ -198,14 +216,26 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True)
                    "prefill_kv": stages.prefill_kv, "decode_variants": list(stages.decode_variants)},
     }
     output = Path(recipe.output.path)
-    write_bundle(output, tensors, meta)
+    stats = BuildStats()
+    runner = make_executor(executor, jobs, ray_address)
+    try:
+        manifest, tensors = bundle_tensors(prepared, runner, (cache_dir or default_cache_dir()) if use_cache else None,
+                                           progress, stats)
+        write_bundle(output, manifest, tqdm(tensors, total=len(manifest), desc="write bundle", unit="tensor",
+                                            disable=not progress), meta)
+    finally:
+        runner.close()
     return {
         "output": str(output),
-        "target": target.name,
-        "scheme": scheme.name,
+        "target": recipe.target.chip,
+        "scheme": recipe.quant.scheme,
         "family": model.family.name,
         "functions": len(model.module.functions),
         "top_ops": model.module.num_ops(),
+        "units": stats.units,
+        "units_built": stats.built,
+        "units_reused": stats.reused,
+        "executor": runner.name,
         "bytes": output.stat().st_size,
         "seconds": round(time.perf_counter() - started, 3),
     }

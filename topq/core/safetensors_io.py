@@ -7,14 +7,16 @@ into place, so a failed or interrupted write never leaves a half-written file at
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
 from collections.abc import Iterable
-import math
-from typing import Any
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -131,6 +133,21 @@ class SafetensorsFile:
     def dtype(self, name: str) -> str:
         return self._entries[name][0].name
 
+    def read(self, name: str) -> np.ndarray:
+        """A private copy read with plain file I/O: no memory map stays resident (streaming conversion)."""
+        dtype, shape, offset = self._entries[name]
+        count = math.prod(shape)
+        with open(self.path, "rb") as fh:
+            fh.seek(offset)
+            array = np.fromfile(fh, dtype=dtype, count=count)
+        if array.size != count:
+            raise TopqError(f"{self.path}: file ended while reading tensor {name}")
+        return array.reshape(shape)
+
+    def slice_of(self, name: str) -> FileSlice:
+        dtype, shape, offset = self._entries[name]
+        return FileSlice(self.path, offset, math.prod(shape) * dtype.itemsize)
+
     def get_raw(self, name: str) -> np.ndarray:
         dtype, shape, offset = self._entries[name]
         if math.prod(shape) == 0:
@@ -150,42 +167,138 @@ def _umask() -> int:
 _CODES = {dt: code for code, dt in DTYPES.items()}
 
 
-def _dtype_code(array: np.ndarray) -> str:
+def _code_of(dtype: np.dtype) -> str:
     try:
-        return _CODES[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
+        return _CODES[dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype]
     except KeyError:
-        raise TopqError(f"cannot store dtype {array.dtype} in safetensors") from None
+        raise TopqError(f"cannot store dtype {dtype} in safetensors") from None
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """Bytes of another file, copied in chunks (a cached tensor goes into a bundle without being loaded)."""
+
+    path: Path
+    offset: int
+    length: int
+
+
+TensorData = np.ndarray | FileSlice
+_CHUNK = 64 * 1024 * 1024
+
+
+class SafetensorsWriter:
+    """Stream tensors of a known manifest into `path`, atomically.
+
+    The header (names, dtypes, shapes, offsets) is written first from the manifest; tensors follow one at a time
+    (each sha256 is returned); `finish(metadata)` rewrites the header in place with the final metadata, which must
+    serialise to no more bytes than the first (fixed-width fields such as checksums keep it so), then renames the
+    temp file into place. An exception before `finish` removes the temp file: no half-written output.
+    """
+
+    def __init__(self, path: str | Path, manifest: list[tuple[str, np.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str]) -> None:
+        self.path = Path(path)
+        self.manifest = manifest
+        self._entries: dict[str, object] = {}
+        offset = 0
+        for name, dtype, shape in manifest:
+            if name in self._entries:
+                raise TopqError(f"tensor {name} is written twice")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            self._entries[name] = {"dtype": _code_of(np.dtype(dtype)), "shape": list(shape),
+                                   "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        first = self._header(metadata)
+        self._header_len = len(first) + ((-(8 + len(first))) % DATA_ALIGN)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        self.tmp = Path(tmp)
+        self._fh = os.fdopen(fd, "wb")
+        self._next = 0
+        try:
+            self._write_header(metadata)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _header(self, metadata: dict[str, str]) -> bytes:
+        header = dict(self._entries)
+        if metadata:
+            header["__metadata__"] = metadata
+        return json.dumps(header, separators=(",", ":")).encode("utf-8")
+
+    def _write_header(self, metadata: dict[str, str]) -> None:
+        text = self._header(metadata)
+        if len(text) > self._header_len:
+            raise TopqError(f"{self.path}: final metadata is larger than the space reserved for it")
+        self._fh.seek(0)
+        self._fh.write(struct.pack("<Q", self._header_len))
+        self._fh.write(text + b" " * (self._header_len - len(text)))
+
+    def write(self, name: str, data: TensorData) -> str:
+        """Append the next tensor of the manifest; return its sha256."""
+        if self._next >= len(self.manifest) or self.manifest[self._next][0] != name:
+            expected = self.manifest[self._next][0] if self._next < len(self.manifest) else "nothing"
+            raise TopqError(f"{self.path}: got tensor {name}, expected {expected}")
+        _, dtype, shape = self.manifest[self._next]
+        self._next += 1
+        digest = hashlib.sha256()
+        if isinstance(data, FileSlice):
+            if data.length != self._entries[name]["data_offsets"][1] - self._entries[name]["data_offsets"][0]:  # type: ignore[index]
+                raise TopqError(f"{self.path}: tensor {name} has the wrong size")
+            with open(data.path, "rb") as src:
+                src.seek(data.offset)
+                left = data.length
+                while left:
+                    chunk = src.read(min(_CHUNK, left))
+                    if not chunk:
+                        raise TopqError(f"{data.path}: ended early while copying {name}")
+                    digest.update(chunk)
+                    self._fh.write(chunk)
+                    left -= len(chunk)
+        else:
+            if data.dtype != np.dtype(dtype) or tuple(data.shape) != tuple(shape):
+                raise TopqError(f"{self.path}: tensor {name} is {data.dtype}{list(data.shape)}, the manifest says "
+                                f"{np.dtype(dtype)}{list(shape)}")
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            digest.update(raw)
+            self._fh.write(raw.data)
+        return digest.hexdigest()
+
+    def finish(self, metadata: dict[str, str]) -> None:
+        try:
+            if self._next != len(self.manifest):
+                raise TopqError(f"{self.path}: only {self._next} of {len(self.manifest)} tensors were written")
+            self._write_header(metadata)
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            os.chmod(self.tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        if kind is not None:
+            self.abort()
 
 
 def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]] | dict[str, np.ndarray],
                       metadata: dict[str, str] | None = None) -> None:
-    """Write atomically: temp file in the destination directory, fsync, rename."""
+    """Write a whole safetensors file atomically (small files, test fixtures)."""
     items = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
-    header: dict[str, object] = {}
-    offset = 0
-    for name, array in items:
-        if name in header:
-            raise TopqError(f"tensor {name} is written twice")
-        header[name] = {"dtype": _dtype_code(array), "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * ((-(8 + len(text))) % DATA_ALIGN)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(struct.pack("<Q", len(text)))
-            fh.write(text)
-            for _, array in items:
-                fh.write(np.ascontiguousarray(array).tobytes())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    manifest = [(name, array.dtype, tuple(array.shape)) for name, array in items]
+    with SafetensorsWriter(path, manifest, metadata or {}) as writer:
+        for name, array in items:
+            writer.write(name, array)
+        writer.finish(metadata or {})

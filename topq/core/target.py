@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+from topq.core.types import TensorType
 
 if TYPE_CHECKING:
     from topq.core.bundle import Bundle
@@ -35,11 +37,19 @@ class CompileJob:
 
 @dataclass
 class CompiledModel:
-    """What a target hands to the bundle writer."""
+    """What a target hands to the bundle writer: the program, and its tensors as a manifest plus a producer.
 
-    program: str  # the target-level program text (MLIR generic form)
-    tensors: Iterator[tuple[str, np.ndarray]] | Mapping[str, np.ndarray]
+    `manifest` lists every bundle tensor (name → type) in bundle order; `produce(names)` yields the arrays of
+    those tensors in that order, computing each from the checkpoint on demand so conversion can stream and run
+    in parallel (any subset, in any process that compiled the same job). `source_of(name)` names the checkpoint
+    weight a tensor is made from (None for tensors the compiler synthesises), for build caching.
+    """
+
+    program: str
+    manifest: dict[str, TensorType]
+    produce: Callable[[Sequence[str]], Iterator[tuple[str, np.ndarray]]]
     metadata: dict[str, Any] = field(default_factory=dict)
+    source_of: Callable[[str], str | None] = lambda name: name
 
 
 class Executor(Protocol):

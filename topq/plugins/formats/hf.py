@@ -65,7 +65,15 @@ class SafetensorsStore:
         return self._file(name).get_raw(name)
 
     def get(self, name: str) -> np.ndarray:
-        return np.array(self.get_raw(name), dtype=np.float32)  # np.array copies: off the mmap
+        # Plain reads, not the memory map: a streaming conversion must not keep every page it touched resident.
+        return self._file(name).read(name).astype(np.float32, copy=False)
+
+    def fingerprint(self, name: str) -> str:
+        """Identity of the stored bytes without reading them (file, size, mtime, offset) for build caching."""
+        f = self._file(name)
+        stat = f.path.stat()
+        piece = f.slice_of(name)
+        return f"{f.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{piece.offset}:{piece.length}"
 
 
 def detect(path: Path) -> bool:

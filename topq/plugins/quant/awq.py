@@ -144,6 +144,8 @@ def _fold(state: LayerState, fold: FoldTarget, s_fold: np.ndarray) -> None:
 
 
 def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any]) -> None:
+    """AWQ for one quant group: search s (only where the input's producer can absorb 1/s), clip, quantize W·s,
+    fold 1/s into the producer (norm weight, or the rows of an earlier — possibly already quantized — linear)."""
     weights = [state.float_weight(name).astype(np.float64) for name in group.names]
     stacked = np.concatenate(weights, axis=0)
     h = group.stats.hessian()

@@ -39,4 +39,5 @@ def compile_model(job: CompileJob, chip: ChipSpec) -> CompiledModel:
         "layer_groups": reports,
         "op_counts": dict(Counter(op.name for f in module for op in f.ops if op.name != "tpu.Weight")),
     }
-    return CompiledModel(program=print_module(module), tensors=lowering.tensors(list(types)), metadata=metadata)
+    return CompiledModel(program=print_module(module), manifest=types, produce=lowering.tensors, metadata=metadata,
+                         source_of=lambda name: lowering.sources[name].source)

@@ -168,3 +168,38 @@ _tpu("FAttention", (3, 6), _fattention,
      doc="f32 scores and softmax; probabilities rounded to dtype before the PV matmul")
 _tpu("TopK", 1, _typed(top._topk), {"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)}, results=2)
 _tpu("KVStore", 2, _kvstore, {"layer": A("int"), "kind": A("str", choices=("k", "v")), "rows": A("int")}, results=0)
+
+
+# -- raw kernels (raw.py) ----------------------------------------------------------------------------------------
+# A `top.DSLRegion` lowers to `tpu.DSLRegion` (same operands and region, results in the storage dtype); the staging
+# pass brackets it with LocalAlloc + LocalStore (DDR → local) and LocalLoad + LocalFree (local → DDR), then the
+# inline pass splices the kernel body between them, so the final program holds only the staging ops and kernel IR.
+
+
+def _dsl_region(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    n = attrs["num_outputs"]
+    if not 1 <= n <= len(types) or not all(isinstance(t, TensorType) for t in types):
+        raise InferError(f"tpu.DSLRegion takes tensor operands, outputs first (num_outputs = {n})")
+    return list(types[:n])
+
+
+def _local_store(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, buf = _tensors(types)
+    if x.shape != buf.shape:
+        raise InferError(f"LocalStore of {x} into a {buf} buffer")
+    return []
+
+
+def _local_load(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    (buf,) = _tensors(types)
+    return [buf.with_dtype(attrs["dtype"]) if buf.dtype in FLOAT_DTYPES else buf]  # floats leave in storage dtype
+
+
+define("tpu.DSLRegion", (1, None), None,
+       {"num_outputs": A("int"), "kernel": A("str", ""), "arg_names": A("list", None), "dtype": DTYPE},
+       _dsl_region, regions=1, doc="a raw kernel between lowering and inlining (operands: outputs then inputs)")
+_tpu("LocalAlloc", 0, None, {"name": A("str", ""), "kernel": A("str", ""), "offset": A("int", None)}, dtype=False,
+     doc="a local-memory buffer for one staged operand; `offset` in bytes into local memory (layer_group.py)")
+_tpu("LocalStore", 2, _local_store, results=0, dtype=False, doc="DDR tensor → local buffer (converted to its dtype)")
+_tpu("LocalLoad", 1, _local_load, doc="local buffer → a tensor in `dtype` (rounded)")
+_tpu("LocalFree", 1, None, results=0, dtype=False, doc="end of a local buffer's life")

@@ -44,6 +44,7 @@ from topq.core.parser import parse_module
 from topq.core.reference_ops import REFERENCE_OPS
 from topq.core.types import TensorType
 from topq.plugins.targets.bm1684x import dialect  # noqa: F401  (registers the tpu ops)
+from topq.plugins.targets.bm1684x import raw
 from topq.plugins.targets.bm1684x.kernels import KERNELS, rnd, visible_history
 from topq.plugins.targets.bm1684x.layer_group import VIEW_OPS, is_weight, root
 from topq.plugins.targets.bm1684x.memory import value_name
@@ -190,6 +191,7 @@ class Emulator:
             raise TopqError("not a bm1684x program: the module has no DDR plan (bm.ddr / bm.act)") from None
         self.ddr = np.zeros(total, np.uint8)
         self.checker = Checker(self.ddr, chip.global_align) if checker else None
+        self.local = raw.LocalSpace(chip, checked=checker)  # raw kernels' staged buffers (a space apart from DDR)
         self._decoded: dict[Any, np.ndarray] = {}
         self._plans: dict[str, FunctionPlan] = {}
         self._weight_ids: dict[str, int] = {}
@@ -308,6 +310,7 @@ class Emulator:
     def _run_checked(self, plan: FunctionPlan, name: str) -> None:
         checker = self.checker
         assert checker is not None
+        self.local.begin()
         for ref in plan.frees_after_inputs:
             checker.free(ref.tid, ref.addr, ref.nbytes)
         for step in plan.steps:
@@ -321,6 +324,7 @@ class Emulator:
                 writer(value)
             for ref in step.frees:
                 checker.free(ref.tid, ref.addr, ref.nbytes)
+        self.local.finish(f"@{name}")  # every staged local buffer was freed (exactly once: free checks it)
 
     # -- KV cache mirror ------------------------------------------------------------------------------
     def _sync(self, layer: int, kind: str, history: np.ndarray, visible: int, name: str) -> None:
@@ -385,6 +389,7 @@ class _Planner:
         self.addr: dict[int, int] = {}  # root value id → DDR address
         self.tids: dict[int, int] = {}  # root value id → checker id
         self.kv_args: dict[int, tuple[int, str]] = {}
+        self.raw: raw.RawSteps | None = None
 
     # values ----------------------------------------------------------------------------------------
     def _tid(self, value: Value) -> int:
@@ -533,6 +538,11 @@ class _Planner:
     def _step(self, op: Operation) -> Step | None:
         emu = self.emu
         attrs = CATALOGUE[op.name].with_defaults(op.attrs) if op.name in CATALOGUE else dict(op.attrs)
+        if raw.is_raw_op(op):  # staging copies and inlined kernel IR (raw.py)
+            if self.raw is None:
+                self.raw = raw.RawSteps(emu.local, self.f, self.reader, self.writer)
+            parts = self.raw.step(op)
+            return None if parts is None else Step(op, *parts, attrs)
         if op.name in VIEW_OPS:
             return None  # a view shares its root's bytes (DDR) or slot (local): readers reshape
         if op.name == "tpu.KVStore":

@@ -26,6 +26,7 @@ from typing import Any
 from topq.core.errors import TopqError
 from topq.core.ir import Block, Function, Operation, Value
 from topq.core.types import TensorType
+from topq.plugins.targets.bm1684x import raw
 from topq.plugins.targets.bm1684x.spec import ChipSpec
 
 GLOBAL_OPS = frozenset({"tpu.Gather", "tpu.FAttention", "tpu.KVStore", "tpu.Permute", "tpu.Concat", "tpu.Slice",
@@ -213,7 +214,20 @@ def assign_groups(function: Function, chip: ChipSpec) -> GroupReport:
             groups.append(current)
             current = []
 
-    for op in function.ops:
+    # A staged raw kernel (raw.py) is a group of its own: its buffers own local memory while it runs.
+    raw_sections = dict(raw.sections(function.ops))
+    raw_peaks: dict[int, int] = {}  # group index → per-lane bytes of its staged buffers
+    raw_end = 0
+    for i, op in enumerate(function.ops):
+        if i < raw_end:
+            continue
+        if i in raw_sections:
+            close()
+            raw_end = raw_sections[i]
+            used = raw.place_buffers(function.ops[i:raw_end], chip, f"@{function.name}")
+            raw_peaks[len(groups)] = lm.lane(used)
+            groups.append(function.ops[i:raw_end])
+            continue
         if op.name == "tpu.Weight":
             continue
         if op.name in VIEW_OPS:
@@ -234,14 +248,17 @@ def assign_groups(function: Function, chip: ChipSpec) -> GroupReport:
     close()
     for gid, ops in enumerate(groups):
         for op in ops:
-            op.attrs["group"] = gid
-        if len(ops) > 1 or "tiling" not in ops[0].attrs:
+            if not raw.is_kernel_op(op):  # kernel IR ops take no pass attributes; they run in their staging group
+                op.attrs["group"] = gid
+        if gid in raw_peaks:
+            report.peak_per_lane = max(report.peak_per_lane, raw_peaks[gid])
+        elif len(ops) > 1 or "tiling" not in ops[0].attrs:
             report.peak_per_lane = max(report.peak_per_lane, lm.group_peak(ops))
     report.groups = len(groups)
     ddr = ddr_values(function)
     report.ddr_values = len(ddr)
     report.local_values = sum(1 for op in function.ops if op.name not in ("tpu.Weight", *VIEW_OPS)
-                              for r in op.results if id(r) not in ddr)
+                              and not raw.is_kernel_op(op) for r in op.results if id(r) not in ddr)
     return report
 
 
@@ -252,7 +269,7 @@ def ddr_values(function: Function) -> dict[int, Value]:
         r = root(value)
         out[id(r)] = r
     for op in function.ops:
-        if op.name == "tpu.Weight":
+        if op.name == "tpu.Weight" or raw.is_kernel_op(op):  # kernel ops address local buffers and scalars only
             continue
         group = op.attrs.get("group")
         for v in op.operands:

@@ -30,6 +30,7 @@ from topq.core.rewrite import Rewriter, apply_patterns
 from topq.core.target import CompileJob
 from topq.core.types import TensorType
 from topq.plugins.targets.bm1684x import dialect  # noqa: F401  (registers the tpu ops)
+from topq.plugins.targets.bm1684x import raw
 from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES, NP_DTYPES, Mode
 from topq.plugins.targets.bm1684x.packing import check_spec, pack, packed_shapes
 
@@ -91,11 +92,12 @@ class Lowering:
                     arg.type = arg.type.with_dtype(self.dtype)
         apply_patterns(module, self.table())
         for function in module:
-            for op in function.walk():
+            for op in function.ops:  # top level: a tpu.DSLRegion's body is kernel IR, staged and inlined below
                 if not op.name.startswith("tpu."):
                     raise TopqError(f"bm1684x has no lowering for {op.name} (in @{function.name})")
             eliminate_dead_ops(function)
             insert_kv_stores(function, int(module.attrs.get("topq.seq_length", 0)), self.dtype)
+            raw.lower_raw_regions(function)  # after dead-op elimination: staging ops have no results
 
     def table(self) -> dict[str, list[Pattern]]:
         table: dict[str, list[Pattern]] = {f"top.{name}": [self._same(name)] for name in SAME_SHAPE}
@@ -104,6 +106,7 @@ class Lowering:
         table["top.MatMul"] = [self._matmul]
         table["top.MLP"] = [self._mlp]
         table["top.FAttention"] = [self._fattention]
+        table["top.DSLRegion"] = [raw.lowering_pattern(self.dtype)]
         return table
 
     # -- weights ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from topq.plugins.targets.bm1684x.layer_group import (
     is_weight,
     root,
 )
+from topq.plugins.targets.bm1684x import raw
 from topq.plugins.targets.bm1684x.spec import ChipSpec
 
 
@@ -164,7 +165,7 @@ def _plan_function(function: Function, plan: MemoryPlan, base: int, a: int) -> i
         used = max(used, offset + size)
     function.attrs["arg_addrs"] = [addr[id(arg)] for arg in function.args]
     for op in ops:
-        if not op.results:
+        if not op.results or raw.is_kernel_op(op):  # kernel IR results are scalars (no pass attributes)
             continue
         addrs = [addr.get(id(root(r)), -1) for r in op.results]
         if op.name in VIEW_OPS and addrs[0] < 0:

@@ -33,6 +33,7 @@ from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.ir import Function, Module, Operation, Value
 from topq.core.stages import StageConfig, build_program
+from topq.plugins.targets.bm1684x.raw import element_ops
 from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec
 
 # ------------------------------------------------------------------------------------------ modes
@@ -327,6 +328,15 @@ class _Estimator:
         nbytes += sum(self.act(m, split=False) for m in mask)
         return _Cost(flops, cube, vector, nbytes)
 
+    def _cost_DSLRegion(self, op: Operation) -> _Cost:
+        """A raw kernel (raw.py): the float ops its body executes (static trip counts) on the EU of one core — a
+        kernel's loops are not split across cores — at the kernel's element size; DMA stages every operand into
+        local memory and every result back, in the storage dtype."""
+        per_s = self.chip.lanes * self.chip.eu_bytes * self.chip.clock_hz * self.cal.vector_eff  # bytes/s
+        vector = sum(n * size for size, n in element_ops(op.regions[0].block).items()) / per_s
+        nbytes = sum(self.act(v, split=False) for v in [*op.operands, *op.results])
+        return _Cost(vector_s=vector, bytes_per_core=nbytes)
+
     def _cost_Gather(self, op: Operation) -> _Cost:
         _, index = op.operands
         out = op.results[0]
@@ -365,7 +375,8 @@ def estimate_function(function: Function, chip: ChipSpec | str, mode: QuantMode 
     spec = SPECS[chip] if isinstance(chip, str) else chip
     est = _Estimator(function, spec, _as_mode(mode), _as_mode(lm_head_mode), cal)
     bandwidth = spec.ddr_bandwidth * cal.ddr_eff
-    ops = [op for op in function.walk() if _kind(op) not in ("Weight", "Input")]
+    # Top level only: a DSLRegion's kernel IR is costed by the region (_cost_DSLRegion), not op by op.
+    ops = [op for op in function.ops if _kind(op) not in ("Weight", "Input")]
     group_of = _groups(ops)
     rows: list[OpRow] = []
     for op, g in zip(ops, group_of):
@@ -448,18 +459,24 @@ class _Program:
 _MODULES: dict[str, Module] = {}  # config-only programs by (family, spec, stages): predictions rebuild nothing
 
 
-def _build(spec: ModelSpec, family: ModelFamily, stages: StageConfig) -> Module:
-    key = repr((family.name, spec, stages))
+def _build(spec: ModelSpec, family: ModelFamily, stages: StageConfig,
+           kernels: tuple[tuple[str, str], ...] = ()) -> Module:
+    key = repr((family.name, spec, stages, kernels))
     if key not in _MODULES:
         if len(_MODULES) >= 8:
             _MODULES.pop(next(iter(_MODULES)))
-        _MODULES[key] = build_program(spec, family, stages, shapes=None)
+        module = build_program(spec, family, stages, shapes=None)
+        if kernels:  # the recipe's raw-kernel substitutions, as the pipeline applies them
+            from topq.raw.substitute import apply_kernel_substitutions
+
+            apply_kernel_substitutions(module, [{"replace": r, "with": w} for r, w in kernels])
+        _MODULES[key] = module
     return _MODULES[key]
 
 
 def _program(spec: ModelSpec, family: ModelFamily, stages: StageConfig, chip: ChipSpec, mode: QuantMode,
-             lm_head_mode: QuantMode, cal: Calibration) -> _Program:
-    module = _build(spec, family, stages)
+             lm_head_mode: QuantMode, cal: Calibration, kernels: tuple[tuple[str, str], ...] = ()) -> _Program:
+    module = _build(spec, family, stages, kernels)
     cache: dict[str, FunctionEstimate] = {}
 
     def estimate(name: str) -> FunctionEstimate:
@@ -597,7 +614,8 @@ def predict_bundle(bundle: Any, chip: ChipSpec, prompt_length: int | None = None
     from topq.core.plugins import get_plugins
 
     family = get_plugins().families.get(meta.get("family") or spec.family)
-    prog = _program(spec, family, stages, chip, mode, head, CALIBRATION)
+    kernels = tuple((str(k["replace"]), str(k["with"])) for k in (bundle.recipe or {}).get("kernels") or ())
+    prog = _program(spec, family, stages, chip, mode, head, CALIBRATION, kernels)
     prompt = max(1, int(prompt_length or stages.max_input_length))
     result = _summary(prog, chip, mode, head, CALIBRATION, prompt_length=prompt)
     variant = _variant_for(min(prompt, stages.seq_length), prog.variants)

@@ -28,13 +28,16 @@ def weight_names(module) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 def compile_host(job: CompileJob) -> CompiledModel:
-    def tensors():  # type: ignore[no-untyped-def]
-        for name in weight_names(job.module):
+    names = weight_names(job.module)
+    types = {op.attrs["name"]: op.results[0].type for f in job.module for op in f.walk() if op.name == "top.Weight"}
+
+    def produce(wanted):  # type: ignore[no-untyped-def]
+        for name in wanted:
             quantized = job.quantized(name)
             array = quantized.dequantize() if quantized is not None else job.weights(name)
             yield name, round_to_dtype(array, job.scheme.compute_dtype)
 
-    return CompiledModel(program=print_module(job.module), tensors=tensors())
+    return CompiledModel(program=print_module(job.module), manifest={n: types[n] for n in names}, produce=produce)
 
 
 class HostExecutor(Interpreter):

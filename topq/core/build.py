@@ -1,0 +1,190 @@
+"""Building a bundle's tensors at scale: split into units, compile units in parallel, cache them by content.
+
+A *unit* is the tensors of one transformer layer (`…layers.{i}.…`), or the rest (embedding, lm_head, tables).
+Each unit compiles on its own (in this process, a process pool or a Ray cluster: `executors.py`) into a
+safetensors file in the build cache, named by a content hash of the unit's Top IR, the checkpoint weights it
+reads, the recipe's relevant part and the topq version. The bundle is then streamed from those files in a fixed
+order, so the result is byte-identical whatever ran the units, and an interrupted or repeated conversion
+reuses every unit already built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+import topq
+from topq.core.executors import InlineExecutor, TaskExecutor
+from topq.core.printer import print_function
+from topq.core.safetensors_io import SafetensorsFile, SafetensorsWriter, TensorData
+from topq.core.target import CompiledModel
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+GLOBAL_UNIT = "globals"
+
+
+def unit_of(name: str) -> str:
+    match = _LAYER_RE.search(name)
+    return f"layer_{int(match.group(1))}" if match else GLOBAL_UNIT
+
+
+def split_units(names: Sequence[str]) -> dict[str, list[str]]:
+    """Tensor names grouped by unit: the global unit first, then layers in order."""
+    units: dict[str, list[str]] = {}
+    for name in names:
+        units.setdefault(unit_of(name), []).append(name)
+    order = sorted(units, key=lambda u: (-1 if u == GLOBAL_UNIT else int(u.split("_")[1])))
+    return {u: units[u] for u in order}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TOPQ_CACHE_DIR") or Path.home() / ".cache" / "topq")
+
+
+# ---------------------------------------------------------------------------------------------- per process
+
+
+@dataclass
+class Prepared:
+    """One process's view of a conversion: the loaded model and the target's compiled program."""
+
+    model: Any  # pipeline.LoadedModel
+    compiled: CompiledModel
+    recipe: dict[str, Any]
+
+
+#: conversions prepared in this process, by recipe key; forked workers inherit the parent's entry
+_PREPARED: dict[str, Prepared] = {}
+
+
+def recipe_key(recipe: dict[str, Any]) -> str:
+    """The recipe without its output path: what decides the tensors."""
+    relevant = {k: v for k, v in recipe.items() if k != "output"}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+
+
+def remember(prepared: Prepared) -> None:
+    _PREPARED[recipe_key(prepared.recipe)] = prepared
+
+
+def _prepared(recipe: dict[str, Any]) -> Prepared:
+    key = recipe_key(recipe)
+    if key not in _PREPARED:  # a worker that did not fork from the parent (Ray): rebuild the same program
+        from topq.core.pipeline import prepare
+        from topq.core.recipe import Recipe
+
+        _PREPARED[key] = prepare(Recipe.from_dict(recipe, source="<build task>"))
+    return _PREPARED[key]
+
+
+def compile_unit(recipe: dict[str, Any], names: list[str], out_path: str) -> str:
+    """A build task: produce the tensors `names` and store them at `out_path` (atomically)."""
+    prepared = _prepared(recipe)
+    types = prepared.compiled.manifest
+    manifest = [(n, types[n].np_dtype, types[n].shape) for n in names]
+    with SafetensorsWriter(out_path, manifest, {}) as writer:
+        for name, array in prepared.compiled.produce(names):
+            writer.write(name, array)
+        writer.finish({})
+    return out_path
+
+
+# ---------------------------------------------------------------------------------------------- keys
+
+
+def _fingerprint(store: Any, name: str | None) -> str:
+    if name is None or name not in store:
+        return "synthesised"
+    if hasattr(store, "fingerprint"):
+        return str(store.fingerprint(name))
+    return hashlib.sha256(store.get_raw(name).tobytes()).hexdigest()
+
+
+def _file_fingerprint(path: str | None) -> str:
+    if not path or not Path(path).exists():
+        return "none"
+    p = Path(path)
+    files = sorted(p.rglob("*")) if p.is_dir() else [p]
+    return ";".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files if f.is_file())
+
+
+def unit_keys(prepared: Prepared, units: dict[str, list[str]]) -> dict[str, str]:
+    model, compiled, recipe = prepared.model, prepared.compiled, prepared.recipe
+    relevant = {k: recipe.get(k) for k in ("quant", "target", "kernels")}
+    relevant["model"] = {k: v for k, v in recipe["model"].items() if k != "path"}
+    common = json.dumps([topq.__version__, relevant, _file_fingerprint(recipe["quant"]["calibration"].get("data")),
+                         _file_fingerprint(recipe["quant"].get("table"))], sort_keys=True)
+    functions: dict[str, list[str]] = {}
+    for function in model.module:
+        layer = function.attrs.get("layer")
+        functions.setdefault(GLOBAL_UNIT if layer is None else f"layer_{layer}", []).append(print_function(function))
+    store = model.checkpoint.weights
+    keys = {}
+    for unit, names in units.items():
+        h = hashlib.sha256(common.encode())
+        for text in functions.get(unit, []):
+            h.update(text.encode())
+        for name in names:
+            h.update(f"{name}:{compiled.manifest[name]}:{_fingerprint(store, compiled.source_of(name))}".encode())
+        keys[unit] = h.hexdigest()
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+@dataclass
+class BuildStats:
+    units: int = 0
+    built: int = 0
+    reused: int = 0
+
+
+def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path | None, progress: bool,
+                   stats: BuildStats) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Iterator[tuple[str, TensorData]]]:
+    """(manifest in bundle order, the tensors to stream). Builds missing units first; without a cache and in
+    this process, tensors stream straight from the compiler."""
+    manifest = prepared.compiled.manifest
+    units = split_units(list(manifest))
+    order = [(n, manifest[n].np_dtype, manifest[n].shape) for names in units.values() for n in names]
+    stats.units = len(units)
+    if cache_dir is None and isinstance(executor, InlineExecutor):
+        stats.built = len(units)
+        names = [n for names in units.values() for n in names]
+        return order, prepared.compiled.produce(names)
+
+    scratch = None
+    if cache_dir is None:
+        cache_dir = Path(scratch := tempfile.mkdtemp(prefix="topq-build-"))
+    directory = cache_dir / "units"
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = unit_keys(prepared, units)
+    paths = {unit: directory / f"{keys[unit]}.safetensors" for unit in units}
+    todo = [unit for unit in units if not paths[unit].exists()]
+    stats.built, stats.reused = len(todo), len(units) - len(todo)
+    tasks = [(prepared.recipe, units[unit], str(paths[unit])) for unit in todo]
+    for _ in tqdm(executor.map(compile_unit, tasks), total=len(tasks), desc=f"compile units ({executor.name})",
+                  unit="unit", disable=not progress or not tasks):
+        pass
+
+    def stream() -> Iterator[tuple[str, TensorData]]:
+        try:
+            for unit, names in units.items():
+                built = SafetensorsFile(paths[unit])
+                for name in names:
+                    yield name, built.slice_of(name)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    return order, stream()

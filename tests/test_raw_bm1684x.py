@@ -5,7 +5,6 @@ performance model's element-op count, and SmolLM2 with its SiLU replaced by a ra
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -27,7 +26,7 @@ from topq.plugins.targets.bm1684x import open_bundle
 from topq.plugins.targets.bm1684x.compiler import compile_model
 from topq.plugins.targets.bm1684x.emulator import Emulator
 from topq.plugins.targets.bm1684x.perf import estimate_function
-from topq.plugins.targets.bm1684x.raw import element_ops
+from topq.plugins.targets.bm1684x.raw import element_ops, is_local_buffer
 from topq.plugins.targets.bm1684x.spec import BM1684X, MiB
 from topq.raw import InOut, Input, Num, kernel, raw_call
 from topq.raw.library import rms_norm, silu
@@ -142,6 +141,9 @@ def test_f32_emulator_equals_numpy_exactly(name: str) -> None:
     first = names.index("scf.for")
     assert set(names[:first]) <= {"tpu.Weight", "tpu.LocalAlloc", "tpu.LocalStore", "arith.constant"}
     assert names.index("tpu.LocalLoad") > max(i for i, n in enumerate(names) if n == "scf.for")
+    accesses = [op for op in main.walk() if op.name.startswith("memref.")]
+    buffers = [op.operands[0 if op.name == "memref.load" else 1] for op in accesses]
+    assert accesses and all(is_local_buffer(v) for v in buffers)  # the body addresses the staged buffers only
     assert compiled.metadata["layer_groups"]["main"]["groups"] == 1
 
 

@@ -10,6 +10,7 @@ reuses every unit already built.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -92,10 +93,11 @@ def compile_unit(recipe: dict[str, Any], names: list[str], out_path: str) -> str
     prepared = _prepared(recipe)
     types = prepared.compiled.manifest
     manifest = [(n, types[n].np_dtype, types[n].shape) for n in names]
-    with SafetensorsWriter(out_path, manifest, {}) as writer:
+    digests = {f"sha256:{n}": "0" * 64 for n in names}  # fixed width: the header is rewritten in place
+    with SafetensorsWriter(out_path, manifest, digests) as writer:
         for name, array in prepared.compiled.produce(names):
-            writer.write(name, array)
-        writer.finish({})
+            digests[f"sha256:{name}"] = writer.write(name, array)
+        writer.finish(digests)
     return out_path
 
 
@@ -182,7 +184,8 @@ def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path |
             for unit, names in units.items():
                 built = SafetensorsFile(paths[unit])
                 for name in names:
-                    yield name, built.slice_of(name)
+                    piece = built.slice_of(name)
+                    yield name, dataclasses.replace(piece, sha256=built.metadata.get(f"sha256:{name}"))
         finally:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.ir import Module
 from topq.core.plugins import Plugins, get_plugins
 from topq.core.printer import print_function
-from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
+from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, round_to_dtype
+from topq.core.types import ELEMENT_TYPES
 from topq.core.quant_math import resolve_group_size
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
@@ -54,6 +56,14 @@ class LoadedModel:
         if name in self.extra_weights:
             return self.extra_weights[name]
         return self.checkpoint.weights.get(name)
+
+    def weight_in(self, name: str, dtype: str) -> np.ndarray:
+        """The weight in a float storage dtype; read as stored when it already is that dtype."""
+        store = self.checkpoint.weights
+        target = ELEMENT_TYPES[dtype]
+        if name not in self.extra_weights and hasattr(store, "read_raw") and store.dtype(name) == target.name:
+            return store.read_raw(name)
+        return round_to_dtype(self.weight(name), dtype).astype(target)
 
 
 def load_model(recipe: Recipe, plugins: Plugins | None = None) -> LoadedModel:
@@ -180,7 +190,8 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None) -> Prepared:
     linear_names = linear_weight_names(model.module)
     quantizer = make_quantizer(model, recipe, plugins, linear_names)
     job = CompileJob(module=model.module, spec=model.spec, weights=model.weight, scheme=scheme,
-                     quant_options=recipe.to_dict()["quant"], recipe=recipe.to_dict(), linear_weights=linear_names,
+                     weight_in=model.weight_in, quant_options=recipe.to_dict()["quant"], recipe=recipe.to_dict(),
+                     linear_weights=linear_names,
                      quantized=quantizer.values, quant_spec=quantizer.spec)
     compiled = target.compile(job)
     if dump_dir is not None:
@@ -199,7 +210,9 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
     `cache_dir` (default ~/.cache/topq) and reused by later conversions.
     """
     started = time.perf_counter()
+    phases = PhaseTimer()
     prepared = prepare(recipe, dump_dir)
+    phases.mark("prepare")
     model, compiled = prepared.model, prepared.compiled
     stages = StageConfig.from_recipe(recipe.stages)
     meta = {
@@ -209,7 +222,8 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
         "program": compiled.program,
         "spec": model.spec.to_dict(),
         "family": model.family.name,
-        "recipe": recipe.to_dict(),
+        # Where the bundle is written is not part of it: the same recipe gives the same bytes at any path.
+        "recipe": {k: v for k, v in recipe.to_dict().items() if k != "output"},
         "tokenizer": model.checkpoint.tokenizer_files,
         "target_meta": compiled.metadata,
         "stages": {"seq_length": stages.seq_length, "max_input_length": stages.max_input_length,
@@ -221,8 +235,10 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
     try:
         manifest, tensors = bundle_tensors(prepared, runner, (cache_dir or default_cache_dir()) if use_cache else None,
                                            progress, stats)
+        phases.mark("units")
         write_bundle(output, manifest, tqdm(tensors, total=len(manifest), desc="write bundle", unit="tensor",
                                             disable=not progress), meta)
+        phases.mark("write")
     finally:
         runner.close()
     return {
@@ -238,4 +254,40 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
         "executor": runner.name,
         "bytes": output.stat().st_size,
         "seconds": round(time.perf_counter() - started, 3),
+        "phases": phases.phases,
     }
+
+
+class PhaseTimer:
+    """Wall and CPU seconds (this process and its finished children) between marks, plus peak RSS so far."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, dict[str, float]] = {}
+        self._wall, self._cpu = time.perf_counter(), self._cpu_now()
+
+    @staticmethod
+    def _cpu_now() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    @staticmethod
+    def _peak_rss_mib() -> float:
+        """Peak RSS of this process (VmHWM: unlike ru_maxrss it does not inherit the spawning parent's peak)
+        and of any single finished child."""
+        import resource
+
+        own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    own = int(line.split()[1])
+        except OSError:
+            pass
+        return max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024  # KiB → MiB
+
+    def mark(self, name: str) -> None:
+        wall, cpu = time.perf_counter(), self._cpu_now()
+        rss = self._peak_rss_mib()
+        self.phases[name] = {"wall_s": round(wall - self._wall, 3), "cpu_s": round(cpu - self._cpu, 3),
+                             "peak_rss_mib": round(rss, 1)}
+        self._wall, self._cpu = wall, cpu

@@ -181,6 +181,7 @@ class FileSlice:
     path: Path
     offset: int
     length: int
+    sha256: str | None = None  # known digest of these bytes: copied without hashing again
 
 
 TensorData = np.ndarray | FileSlice
@@ -254,9 +255,12 @@ class SafetensorsWriter:
                     chunk = src.read(min(_CHUNK, left))
                     if not chunk:
                         raise TopqError(f"{data.path}: ended early while copying {name}")
-                    digest.update(chunk)
+                    if data.sha256 is None:
+                        digest.update(chunk)
                     self._fh.write(chunk)
                     left -= len(chunk)
+            if data.sha256 is not None:
+                return data.sha256
         else:
             if data.dtype != np.dtype(dtype) or tuple(data.shape) != tuple(shape):
                 raise TopqError(f"{self.path}: tensor {name} is {data.dtype}{list(data.shape)}, the manifest says "

@@ -27,12 +27,22 @@ class CompileJob:
     scheme: QuantScheme
     quant_options: Mapping[str, Any]
     recipe: Mapping[str, Any]
+    #: a float weight stored in `dtype` (f32/bf16/f16) — without a float32 detour when the checkpoint already
+    #: stores it that way (large embeddings stream at their stored size)
+    weight_in: Callable[[str, str], np.ndarray] | None = None
     linear_weights: frozenset[str] = frozenset()  # names of weights used as a MatMul's right operand
     #: the scheme's values for a weight-quantized linear (None: keep it in the compute dtype). The pipeline
     #: decides (scheme, quant.lm_head, pre-quantized checkpoints); targets only pack what it returns.
     quantized: Callable[[str], QuantizedWeight | None] = lambda name: None
     #: the layout of `quantized(name)` without computing it (lowering and memory planning need only this)
     quant_spec: Callable[[str], QuantSpec | None] = lambda name: None
+
+    def __post_init__(self) -> None:
+        if self.weight_in is None:
+            from topq.core.quant import round_to_dtype
+            from topq.core.types import ELEMENT_TYPES
+
+            self.weight_in = lambda name, dtype: round_to_dtype(self.weights(name), dtype).astype(ELEMENT_TYPES[dtype])
 
 
 @dataclass

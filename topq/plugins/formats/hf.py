@@ -68,6 +68,10 @@ class SafetensorsStore:
         # Plain reads, not the memory map: a streaming conversion must not keep every page it touched resident.
         return self._file(name).read(name).astype(np.float32, copy=False)
 
+    def read_raw(self, name: str) -> np.ndarray:
+        """The stored array as a private copy (plain reads, no resident memory map)."""
+        return self._file(name).read(name)
+
     def fingerprint(self, name: str) -> str:
         """Identity of the stored bytes without reading them (file, size, mtime, offset) for build caching."""
         f = self._file(name)

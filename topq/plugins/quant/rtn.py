@@ -32,9 +32,11 @@ OPTIONS = ("bits", "group_size", "symmetric", "lm_head")
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
-    """C's std::round: halves go away from zero. x ± 0.5 is exact in float64 for float32 x, so trunc is exact."""
-    y = np.asarray(x, dtype=np.float64) + np.copysign(0.5, x)
-    return np.trunc(y).astype(np.asarray(x).dtype)
+    """C's std::round: halves go away from zero. numpy's rint rounds halves to even; only exact halves differ,
+    and x - trunc(x) is exact in x's own dtype, so ties are found and fixed without a float64 detour."""
+    x = np.asarray(x)
+    whole = np.trunc(x)
+    return np.where(np.abs(x - whole) == 0.5, whole + np.sign(x), np.rint(x)).astype(x.dtype, copy=False)
 
 
 def rtn_values(w: np.ndarray, bits: int, group_size: int, symmetric: bool) -> tuple[np.ndarray, ...]:

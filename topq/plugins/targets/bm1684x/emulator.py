@@ -43,8 +43,10 @@ from topq.core.ir import Block, Function, Module, Operation, Value
 from topq.core.parser import parse_module
 from topq.core.reference_ops import REFERENCE_OPS
 from topq.core.types import TensorType
-from topq.plugins.targets.bm1684x import dialect  # noqa: F401  (registers the tpu ops)
-from topq.plugins.targets.bm1684x import raw
+from topq.plugins.targets.bm1684x import (
+    dialect,  # noqa: F401  (registers the tpu ops)
+    raw,
+)
 from topq.plugins.targets.bm1684x.kernels import KERNELS, rnd, visible_history
 from topq.plugins.targets.bm1684x.layer_group import VIEW_OPS, is_weight, root
 from topq.plugins.targets.bm1684x.memory import value_name

@@ -25,12 +25,14 @@ import numpy as np
 from topq.core.builder import Builder
 from topq.core.errors import TopqError
 from topq.core.ir import Block, Function, Module, Operation, Value
-from topq.core.quant import QuantSpec, round_to_dtype
+from topq.core.quant import QuantSpec
 from topq.core.rewrite import Rewriter, apply_patterns
 from topq.core.target import CompileJob
 from topq.core.types import TensorType
-from topq.plugins.targets.bm1684x import dialect  # noqa: F401  (registers the tpu ops)
-from topq.plugins.targets.bm1684x import raw
+from topq.plugins.targets.bm1684x import (
+    dialect,  # noqa: F401  (registers the tpu ops)
+    raw,
+)
 from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES, NP_DTYPES, Mode
 from topq.plugins.targets.bm1684x.packing import check_spec, pack, packed_shapes
 
@@ -156,7 +158,7 @@ class Lowering:
         for name in names:
             src = self.sources[name]
             if src.part == "float":
-                array = round_to_dtype(self.job.weights(src.source), self.dtype).astype(NP_DTYPES[self.dtype])
+                array = self.job.weight_in(src.source, self.dtype)
             else:
                 if src.source not in self._packed:
                     q = self.job.quantized(src.source)

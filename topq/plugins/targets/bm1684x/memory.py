@@ -21,13 +21,13 @@ from typing import Any
 from topq.core.errors import TopqError
 from topq.core.ir import Block, Function, Module, Operation, Value
 from topq.core.types import TensorType
+from topq.plugins.targets.bm1684x import raw
 from topq.plugins.targets.bm1684x.layer_group import (
     VIEW_OPS,
     ddr_values,
     is_weight,
     root,
 )
-from topq.plugins.targets.bm1684x import raw
 from topq.plugins.targets.bm1684x.spec import ChipSpec
 
 

@@ -235,7 +235,7 @@ class LocalSpace:
     def alloc(self, key: int, name: str, offset: int, nbytes: int, where: str) -> None:
         if key in self.live:
             raise TopqError(f"checker: {where}: local buffer {name} allocated again while live")
-        for other, (other_name, o, s) in self.live.items():
+        for other_name, o, s in self.live.values():
             if offset < o + s and o < offset + nbytes:
                 raise TopqError(f"checker: {where}: local buffer {name} at {offset} (+{nbytes} B) overlaps live "
                                 f"local buffer {other_name}")

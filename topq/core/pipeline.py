@@ -235,6 +235,7 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
     try:
         manifest, tensors = bundle_tensors(prepared, runner, (cache_dir or default_cache_dir()) if use_cache else None,
                                            progress, stats)
+        runner.close()  # every unit is built; reaping the workers also counts their peak RSS in the phase report
         phases.mark("units")
         write_bundle(output, manifest, tqdm(tensors, total=len(manifest), desc="write bundle", unit="tensor",
                                             disable=not progress), meta)

@@ -33,7 +33,7 @@ from topq.plugins.targets.bm1684x import (
     dialect,  # noqa: F401  (registers the tpu ops)
     raw,
 )
-from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES, NP_DTYPES, Mode
+from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES, Mode
 from topq.plugins.targets.bm1684x.packing import check_spec, pack, packed_shapes
 
 Pattern = Callable[[Operation, Rewriter], bool]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from topq.core.ir import Module
 from topq.core.plugins import Plugins, get_plugins
 from topq.core.printer import print_function
 from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, round_to_dtype
+from topq.core.quantized_import import to_signed_symmetric
 from topq.core.types import ELEMENT_TYPES
 from topq.core.quant_math import resolve_group_size
 from topq.core.recipe import Recipe
@@ -135,7 +138,8 @@ class Quantizer:
             return self.precomputed[name]
         if scheme is self.scheme and scheme.name == "auto":
             from_checkpoint = getattr(self.model.checkpoint.weights, "quantized", None)
-            return from_checkpoint(name) if from_checkpoint is not None else None
+            q = from_checkpoint(name) if from_checkpoint is not None else None
+            return signed_if_offset_symmetric(q) if q is not None else None
         if scheme.quantize is not None:
             return scheme.quantize(self.model.weight(name), self.options)
         return None
@@ -151,6 +155,16 @@ class Quantizer:
             return QuantSpec((n, k), scheme.weight_bits, group_size, bool(self.options.get("symmetric", False)))
         q = self.values(name)
         return q.spec if q is not None else None
+
+
+def signed_if_offset_symmetric(q: QuantizedWeight) -> QuantizedWeight:
+    """Imported symmetric weights carry unsigned codes with zeros 2^(bits-1); topq's symmetric form is signed codes
+    with zeros 0 (the same values). A "symmetric" weight whose zeros differ is kept exactly as asymmetric."""
+    if not q.symmetric or not np.any(q.zeros):
+        return q
+    if np.all(np.asarray(q.zeros) == 1 << (q.bits - 1)):
+        return to_signed_symmetric(q)
+    return dataclasses.replace(q, symmetric=False)
 
 
 def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_names: frozenset[str]) -> Quantizer:
@@ -185,6 +199,11 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None) -> Prepared:
     target = plugins.targets.get(recipe.target.chip)
     _check_target_scheme(target, scheme)
     model = load_model(recipe, plugins)
+    dequantized = model.checkpoint.config.get("topq_gguf_dequantized")
+    if scheme.name == "auto" and dequantized:
+        kinds = ", ".join(f"{n} × {t}" for t, n in sorted(dequantized.items()))
+        print(f"warning: GGUF tensor types without an exact integer form were dequantized and are kept in "
+              f"{scheme.compute_dtype}: {kinds}", file=sys.stderr)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), "top", model.module)
     linear_names = linear_weight_names(model.module)

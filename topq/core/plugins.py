@@ -26,6 +26,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.models.qwen2",
     "topq.plugins.models.qwen3",
     "topq.plugins.quant.float_modes",
+    "topq.plugins.quant.auto",
     "topq.plugins.quant.rtn",
     "topq.plugins.quant.gptq",
     "topq.plugins.quant.awq",

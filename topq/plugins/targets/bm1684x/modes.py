@@ -27,6 +27,8 @@ class Mode:
 MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("f32", "f32"), Mode("bf16", "bf16"), Mode("f16", "f16"),
     Mode("w8bf16", "bf16", 8), Mode("w4bf16", "bf16", 4), Mode("w8f16", "f16", 8), Mode("w4f16", "f16", 4),
+    # the checkpoint's own 4/8-bit weights (A16MatMul per weight, as its QuantSpec says) with bf16 activations
+    Mode("auto", "bf16"),
 )}
 
 

@@ -506,6 +506,14 @@ def _smallest_k(key: np.ndarray, k: int) -> np.ndarray:
     return idx
 
 
+def _matmul_int8(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    from topq.core.int8_math import matmul_int8
+
+    _arity("top.MatMulInt8", inputs, 3, 4)
+    return [matmul_int8(inputs[0], inputs[1], inputs[2], float(attrs.get("act_scale", 0.0)),
+                        bool(attrs.get("dynamic", False)), _opt(inputs, 3))]
+
+
 REFERENCE_OPS: dict[str, Kernel] = {
     "top.Input": _input,
     "top.Gather": _gather,
@@ -526,4 +534,5 @@ REFERENCE_OPS: dict[str, Kernel] = {
     "top.GELU": _gelu_op,
     "top.Softmax": _softmax_op,
     "top.TopK": _topk,
+    "top.MatMulInt8": _matmul_int8,
 }

@@ -165,6 +165,16 @@ def _topk(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     return [x.with_shape(shape), TensorType(shape, "i32")]
 
 
+def _matmul_int8(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, codes, w_scale, *bias = _tensors(types)
+    if codes.rank != 2 or w_scale.shape != codes.shape[:1]:
+        raise InferError(f"MatMulInt8 wants codes [N, K] and w_scale [N], got {list(codes.shape)} and "
+                         f"{list(w_scale.shape)}")
+    if not attrs["dynamic"] and not attrs["act_scale"] > 0:
+        raise InferError("MatMulInt8 needs act_scale > 0 unless dynamic")
+    return _matmul([x, codes, *bias], {"right_transpose": True})
+
+
 define("top.Input", 1, infer=_same, doc="marks a function input")
 define("top.Weight", 0, attrs={"name": A("str")}, doc="a named tensor of the weight store (type given by the IR)")
 define("top.Gather", 2, attrs={"axis": A("int", 0)}, infer=_gather)
@@ -189,3 +199,7 @@ define("top.GELU", 1, attrs={"approximate": A("str", "none", ("none", "tanh"))},
 define("top.Softmax", 1, attrs={"axis": A("int", -1)}, infer=_same)
 define("top.TopK", 1, results=2, attrs={"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)},
        infer=_topk)
+# W8A8 linear (the `int8` scheme): x quantized per tensor (act_scale) or per row (dynamic), int8 codes [N, K] held
+# as integers in a float tensor, per-channel w_scale [N]; see topq/core/int8_math.py for the exact arithmetic.
+define("top.MatMulInt8", (3, 4), attrs={"act_scale": A("float", 0.0), "dynamic": A("bool", False)},
+       infer=_matmul_int8, doc="y = (q(x) codesᵀ) * (scale_x * w_scale) [+ bias]")

@@ -32,14 +32,8 @@ def swiglu(gate: Input["tensor<?x?x?xf32>"], up: Input["tensor<?x?x?xf32>"],
 
 def build_block(ctx: BlockContext) -> Value:
     """The example block, with the MLP spelled out: gate/up projections, the raw SwiGLU kernel, down."""
-    s, b = ctx.spec, ctx.b
-    x = ctx.hidden
-    h = ctx.rms_norm(x, "input_layernorm")
-    q = ctx.heads(ctx.linear(h, "q_proj", s.num_heads * s.head_dim), s.num_heads)
-    k = ctx.heads(ctx.linear(h, "k_proj", s.num_kv_heads * s.head_dim), s.num_kv_heads)
-    v = ctx.heads(ctx.linear(h, "v_proj", s.num_kv_heads * s.head_dim), s.num_kv_heads)
-    attn = ctx.attention(ctx.rope(q), ctx.rope(k), v)
-    x = b.top.Add(x, ctx.linear(attn, "o_proj", s.hidden_size))
+    s, b, x = ctx.spec, ctx.b, ctx.hidden
+    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
     m = ctx.rms_norm(x, "post_attention_layernorm")
     gate = ctx.linear(m, "gate_proj", s.intermediate_size)
     up = ctx.linear(m, "up_proj", s.intermediate_size)

@@ -31,6 +31,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.quant.gptq",
     "topq.plugins.quant.awq",
     "topq.plugins.quant.autoround",
+    "topq.plugins.quant.int8",
     "topq.plugins.targets.host",
     "topq.plugins.targets.bm1684x",
 )

@@ -10,6 +10,9 @@ Ops with a different shape from their Top counterpart:
 * `tpu.A16MatMul(x, weight, scale[, zp][, bias])`: weight-only quantized linear. weight `[N, K*bits/8]` ui8 (W4:
   the even-k code in the low nibble; signed codes when `symmetric`), scale `[N, K/group_size]` in `dtype`, zp
   `[N, K/group_size]` ui8 only when asymmetric. `tpu.A16MLP` is the fused gated MLP with three such weights.
+* `tpu.MatMulInt8(x, codes, w_scale[, bias])`: W8A8 linear. codes `[N, K]` i8, w_scale `[N]` in `dtype`; x is
+  quantized to int8 in the kernel (static `act_scale`, or `dynamic`: per-row absmax / 127, the row-absmax reduction
+  runs on the chip), the int32 accumulator is dequantized by the f32 per-channel scale act_scale · w_scale[n].
 * `tpu.FAttention(q, k, v[, mask][, history_k, history_v])`: with `history = S > 0` the keys are the S history rows
   followed by the new k; the history operands are the layer's KV-cache region itself (no concat copy).
 * `tpu.KVStore(x, positions)`: writes the new k or v rows into the layer's KV-cache region at row positions[0, 0]
@@ -89,6 +92,15 @@ def _a16matmul(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     return [x.with_shape(x.shape[:-1] + (n,)).with_dtype(attrs.get("out_dtype") or attrs["dtype"])]
 
 
+def _matmul_int8(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, w, scale, *bias = _tensors(types)
+    if w.rank != 2 or w.dtype != "i8" or scale.shape != w.shape[:1] or scale.dtype not in FLOAT_DTYPES:
+        raise InferError(f"MatMulInt8 wants i8 codes [N, K] and a float scale [N], got {w} and {scale}")
+    if x.shape[-1] != w.shape[1] or (bias and bias[0].shape != w.shape[:1]):
+        raise InferError(f"MatMulInt8: input {list(x.shape)} / bias do not fit codes {list(w.shape)}")
+    return [x.with_shape(x.shape[:-1] + w.shape[:1]).with_dtype(attrs.get("out_dtype") or attrs["dtype"])]
+
+
 def _a16mlp(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     x, *rest = _tensors(types)
     per = 2 if attrs.get("symmetric", False) else 3
@@ -146,6 +158,9 @@ _tpu("Gather", 2, _typed(top._gather), {"axis": A("int", 0)})
 _tpu("RMSNorm", (1, 2), _typed(top._norm), {"eps": A("float", 1e-6)}, doc="f32 statistics")
 _tpu("LayerNorm", (1, 3), _typed(top._norm), {"eps": A("float", 1e-5)}, doc="f32 statistics")
 _tpu("MatMul", (2, 3), _typed(top._matmul), {"right_transpose": A("bool", False), "out_dtype": OUT_DTYPE})
+_tpu("MatMulInt8", (3, 4), _matmul_int8, {"act_scale": A("float", 0.0), "dynamic": A("bool", False),
+                                          "out_dtype": OUT_DTYPE},
+     doc="W8A8: x → int8 (static act_scale or per-row absmax/127), int8×int8 → int32, × f32 per-channel scale")
 _tpu("A16MatMul", (3, 5), _a16matmul, {**QUANT, "has_bias": A("bool", False), "out_dtype": OUT_DTYPE})
 _tpu("MLP", 4, _typed(top._mlp), {"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))},
      doc="gate/up/down matmuls; gate, up, act and act*up rounded to dtype; the activation in f32")

@@ -49,6 +49,24 @@ def matmul(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     return [y]
 
 
+def matmul_int8(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """tpu.MatMulInt8: x (dtype values) → int8 with the static scale or per-row absmax/127 (std::round, clamp ±127),
+    int8 × int8 summed exactly (the chip's int32 accumulator; float64 is exact here), then int32 → f32 times the
+    f32 per-channel requant scale f32(scale_x) · w_scale[n] (one f32 multiply each, as the chip's dequant step)."""
+    from topq.core.int8_math import quantize_act, token_scales
+
+    x, codes, w_scale = args[0], args[1], args[2]
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    sx = token_scales(x2) if attrs.get("dynamic") else np.full((x2.shape[0], 1), attrs["act_scale"], F32)
+    acc = quantize_act(x2, sx).astype(np.float64) @ codes.astype(np.float64).T
+    requant = sx * w_scale.astype(F32)[None, :]  # f32 product
+    y = acc.astype(F32) * requant  # int32 → f32 convert, then one f32 multiply
+    if len(args) > 3:
+        y += args[3]
+    return [y.reshape(*lead, codes.shape[0])]
+
+
 def activation(name: str, x: np.ndarray) -> np.ndarray:
     if name == "silu":
         return silu(x)
@@ -185,6 +203,7 @@ KERNELS: dict[str, Any] = {
     "tpu.Gather": gather,
     "tpu.MatMul": matmul,
     "tpu.A16MatMul": matmul,
+    "tpu.MatMulInt8": matmul_int8,
     "tpu.MLP": mlp,
     "tpu.A16MLP": mlp,
     "tpu.FAttention": fattention,

@@ -32,7 +32,7 @@ from topq.plugins.targets.bm1684x.spec import ChipSpec
 GLOBAL_OPS = frozenset({"tpu.Gather", "tpu.FAttention", "tpu.KVStore", "tpu.Permute", "tpu.Concat", "tpu.Slice",
                         "tpu.TopK"})
 VIEW_OPS = frozenset({"tpu.Reshape"})
-WEIGHT_OPS = frozenset({"tpu.MatMul", "tpu.A16MatMul", "tpu.MLP", "tpu.A16MLP"})
+WEIGHT_OPS = frozenset({"tpu.MatMul", "tpu.A16MatMul", "tpu.MatMulInt8", "tpu.MLP", "tpu.A16MLP"})
 #: keys of the flash-attention model's K/V blocks
 KV_BLOCK = 256
 

@@ -85,6 +85,7 @@ class Lowering:
         self.sources: dict[str, TensorSource] = {}
         self._quant: dict[str, QuantSpec | None] = {}
         self._packed: dict[str, dict[str, np.ndarray]] = {}
+        self._int8_codes: set[str] = set()  # top.Weight names holding int8 codes (operand 1 of top.MatMulInt8)
 
     # -- driver ----------------------------------------------------------------------------------------
     def run(self, module: Module) -> None:
@@ -92,6 +93,8 @@ class Lowering:
             for arg in function.args:  # activations cross function boundaries in the mode's dtype
                 if isinstance(arg.type, TensorType) and arg.type.dtype in FLOAT_DTYPES:
                     arg.type = arg.type.with_dtype(self.dtype)
+        self._int8_codes = {weight_source(op.operands[1]) or "" for f in module for op in f.walk()
+                            if op.name == "top.MatMulInt8"}
         apply_patterns(module, self.table())
         for function in module:
             for op in function.ops:  # top level: a tpu.DSLRegion's body is kernel IR, staged and inlined below
@@ -106,6 +109,7 @@ class Lowering:
         table["top.Input"] = [lambda op, rw: (rw.replace(op, [op.operands[0]]), True)[1]]
         table["top.Weight"] = [self._weight]
         table["top.MatMul"] = [self._matmul]
+        table["top.MatMulInt8"] = [self._matmul_int8]
         table["top.MLP"] = [self._mlp]
         table["top.FAttention"] = [self._fattention]
         table["top.DSLRegion"] = [raw.lowering_pattern(self.dtype)]
@@ -159,6 +163,11 @@ class Lowering:
             src = self.sources[name]
             if src.part == "float":
                 array = self.job.weight_in(src.source, self.dtype)
+            elif src.part == "int8":
+                codes = np.asarray(self.job.weights(src.source))
+                if codes.size and (np.abs(codes).max() > 127 or not np.array_equal(codes, np.round(codes))):
+                    raise TopqError(f"{src.source}: int8 codes must be integers in [-127, 127]")
+                array = codes.astype(np.int8)
             else:
                 if src.source not in self._packed:
                     q = self.job.quantized(src.source)
@@ -184,6 +193,12 @@ class Lowering:
         return pattern
 
     def _weight(self, op: Operation, rw: Rewriter) -> bool:
+        name = op.attrs["name"]
+        if name in self._int8_codes:  # W8A8 codes: stored as i8, not in the float dtype
+            t = TensorType(tuple(op.results[0].type.shape), "i8")  # type: ignore[union-attr]
+            self._record(name, TensorSource(name, "int8", t))
+            rw.replace(op, [rw.builder.op("tpu.Weight", result_types=[t], name=name)])
+            return True
         value = self.float_weight(rw.builder, op.attrs["name"], op.results[0].type.shape)  # type: ignore[union-attr]
         rw.replace(op, [value])
         return True
@@ -210,6 +225,11 @@ class Lowering:
             rw.replace(op, new.results)
             return True
         rw.replace(op, [self._linear(rw.builder, x, w, bias, op.loc, out_dtype)])
+        return True
+
+    def _matmul_int8(self, op: Operation, rw: Rewriter) -> bool:
+        new = rw.builder.create("tpu.MatMulInt8", op.operands, {**op.attrs, "dtype": self.dtype}, loc=op.loc)
+        rw.replace(op, new.results)
         return True
 
     def _mlp(self, op: Operation, rw: Rewriter) -> bool:

@@ -1,0 +1,562 @@
+"""The `int8` scheme (W8A8): per-channel int8 weights, per-tensor static or per-token dynamic int8 activations.
+
+Pipeline (`calibrate(model, recipe)`, see docs/quantization.md):
+
+1. sites: every decoder linear's input, grouped by the value it reads (q/k/v share one, gate/up share one; the
+   down projection reads act(x Wgᵀ) * (x Wuᵀ), observed inside `top.MLP`);
+2. the float model runs on the calibration windows (reference interpreter) and an observer per site records
+   |x| (pass 1: per-channel absmax, enough for minmax and SmoothQuant; pass 2, percentile/kl only: a histogram
+   of the smoothed input);
+3. SmoothQuant (`smooth_alpha`): s_j = max|X_j|^α / max|W_j|^(1-α); W·s is quantized and 1/s is folded into the
+   RMSNorm weight in front (q/k/v, gate/up), into the up projection's rows (down: h = act(g)·up is linear in up),
+   or applied as an explicit `top.Mul` (o_proj);
+4. the Top program is rewritten in place: int8 linears become `top.MatMulInt8(x, <w>.qweight, <w>.wscale)`
+   (codes and bf16 per-channel scales as new weights), a split `top.MLP` where any of its linears is int8;
+5. `budget`: greedy mixed precision — linears go back to BF16, most damaging first, until the held-out
+   perplexity is within budget × the BF16 model's.
+
+The result (modes, activation scales, smoothing factors) is the calibration table: written to `quant.table`
+(YAML) when that file does not exist, loaded from it — without calibration data — when it does, and always
+recorded in the program's module attribute `topq.int8` (so in the bundle metadata).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+import topq
+from topq.core.errors import TopqError
+from topq.core.int8_math import QMAX, quantize_weight
+from topq.core.interpreter import Interpreter, Step
+from topq.core.ir import Function, Module, Operation, Value
+from topq.core.observers import Observer
+from topq.core.quant import QuantScheme, round_to_dtype
+from topq.core.reference_ops import REFERENCE_OPS, gelu, silu
+from topq.core.rewrite import Rewriter, apply_patterns
+from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.core.types import TensorType
+
+OPTIONS = ("observer", "percentile", "smooth_alpha", "dynamic_tokens", "budget", "table", "calibration", "lm_head")
+TABLE_VERSION = 1
+SCALE_DTYPE = "bf16"  # weight scales are stored (and multiplied) in the compute dtype
+_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "silu": silu, "gelu": lambda x: gelu(x, "none"), "gelu_tanh": lambda x: gelu(x, "tanh")}
+
+
+# ============================================================================ options and the plan
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    observer: str
+    percentile: float
+    smooth_alpha: float | None
+    dynamic: bool
+    budget: float | None
+    table: str | None
+
+    @classmethod
+    def from_recipe(cls, recipe: Any) -> Int8Options:
+        q = recipe.quant
+        observer = str(q.observer)
+        if observer not in ("minmax", "percentile", "kl"):
+            raise TopqError(f"unknown quant.observer {observer!r}; known: minmax, kl, percentile")
+        budget = None if q.budget is None else float(q.budget)
+        if budget is not None and budget < 1:
+            raise TopqError(f"quant.budget is a perplexity ratio to the float model and must be >= 1, got {budget}")
+        return cls(observer, float(q.percentile), None if q.smooth_alpha is None else float(q.smooth_alpha),
+                   bool(q.dynamic_tokens), budget, None if q.table is None else str(q.table))
+
+
+@dataclass
+class Site:
+    """One linear input: the linears reading it, and where SmoothQuant's 1/s goes."""
+
+    names: tuple[str, ...]
+    kind: str  # "input" (operand 0 of the linears) or "mlp_hidden" (the down projection's input inside top.MLP)
+    k: int
+    fold: str  # "norm": divide the RMSNorm weight `fold_weight`; "up": divide up's rows; "mul": explicit top.Mul
+    fold_weight: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class Int8Plan:
+    """Everything the rewrite needs (= the calibration table)."""
+
+    modes: dict[str, str]  # linear weight name → "int8" | "bf16"
+    act_scales: dict[str, float]  # linear weight name → static activation scale (T / 127)
+    act_absmax: dict[str, float]
+    smooth: dict[str, np.ndarray] = field(default_factory=dict)  # site key → s [K]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_yaml(self) -> str:
+        doc = {"version": TABLE_VERSION, "scheme": "int8", **self.info,
+               "layers": {n: {"mode": self.modes[n], "act_scale": self.act_scales[n],
+                              "act_absmax": self.act_absmax[n]} for n in self.modes},
+               "smooth": {k: [float(x) for x in v] for k, v in self.smooth.items()}}
+        return yaml.safe_dump(doc, sort_keys=False, width=120)
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str) -> Int8Plan:
+        try:
+            doc = yaml.safe_load(text)
+            if not isinstance(doc, dict) or doc.get("version") != TABLE_VERSION or doc.get("scheme") != "int8":
+                raise TopqError(f"{source}: not an int8 calibration table (version {TABLE_VERSION})")
+            layers = doc["layers"]
+            modes = {n: str(v["mode"]) for n, v in layers.items()}
+            bad = [n for n, m in modes.items() if m not in ("int8", "bf16")]
+            if bad:
+                raise TopqError(f"{source}: {bad[0]}: mode must be int8 or bf16, got {modes[bad[0]]!r}")
+            info = {k: v for k, v in doc.items() if k not in ("version", "scheme", "layers", "smooth")}
+            return cls(modes, {n: float(v["act_scale"]) for n, v in layers.items()},
+                       {n: float(v.get("act_absmax", 0.0)) for n, v in layers.items()},
+                       {k: np.asarray(v, dtype=np.float32) for k, v in (doc.get("smooth") or {}).items()}, info)
+        except (yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise TopqError(f"{source}: malformed int8 calibration table ({type(exc).__name__}: {exc})") from None
+
+
+# ============================================================================ the graph side
+
+
+def _weight_name(value: Value) -> str | None:
+    owner = value.owner
+    if isinstance(owner, Operation) and owner.name == "top.Weight":
+        return str(owner.attrs["name"])
+    return None
+
+
+def _users(function: Function) -> dict[int, list[Operation | None]]:
+    users: dict[int, list[Operation | None]] = {}
+    for op in function.ops:
+        for v in op.operands:
+            users.setdefault(id(v), []).append(op)
+    for v in function.results:
+        users.setdefault(id(v), []).append(None)
+    return users
+
+
+def _is_linear(op: Operation, linears: frozenset[str]) -> str | None:
+    if op.name == "top.MatMul" and op.attrs.get("right_transpose") and len(op.operands[1].shape) == 2:
+        name = _weight_name(op.operands[1])
+        return name if name in linears else None
+    return None
+
+
+def find_sites(function: Function, linears: frozenset[str]) -> tuple[list[Site], dict[int, list[Site]]]:
+    """The sites of one block function and, per op id, the sites observed when that op runs."""
+    users = _users(function)
+    by_input: dict[int, tuple[Value, list[str], Operation]] = {}
+    at_op: dict[int, list[Site]] = {}
+    sites: list[Site] = []
+    for op in function.ops:
+        name = _is_linear(op, linears)
+        if name is not None:
+            x = op.operands[0]
+            entry = by_input.setdefault(id(x), (x, [], op))
+            entry[1].append(name)
+        elif op.name == "top.MLP":
+            names = [_weight_name(v) for v in op.operands[1:4]]
+            if all(n in linears for n in names):
+                gate, up, down = names  # type: ignore[misc]
+                x = op.operands[0]
+                s_in = Site((gate, up), "input", x.shape[-1], *_fold_of(x, {id(op)}, users))
+                s_h = Site((down,), "mlp_hidden", op.operands[3].shape[-1], "up", up)
+                sites += [s_in, s_h]
+                at_op[id(op)] = [s_in, s_h]
+    for x, names, first in by_input.values():
+        ops = {id(u) for u in users.get(id(x), []) if u is not None and _is_linear(u, linears)}
+        site = Site(tuple(names), "input", x.shape[-1], *_fold_of(x, ops, users))
+        sites.append(site)
+        at_op.setdefault(id(first), []).append(site)
+    return sites, at_op
+
+
+def _fold_of(x: Value, consumers: set[int], users: Mapping[int, list[Operation | None]]) -> tuple[str, str | None]:
+    """Fold 1/s into an RMSNorm weight when x is that norm's output and feeds only these linears."""
+    producer = x.owner
+    only_ours = all(u is not None and id(u) in consumers for u in users.get(id(x), []))
+    if only_ours and isinstance(producer, Operation) and producer.name == "top.RMSNorm" \
+            and len(producer.operands) == 2:
+        weight = _weight_name(producer.operands[1])
+        if weight is not None:
+            return "norm", weight
+    return "mul", None
+
+
+# ============================================================================ observing the float model
+
+
+class _ObserveInterpreter(Interpreter):
+    """The reference interpreter feeding each site's input (divided by its smoothing factor) to an observer."""
+
+    def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
+                 observers: dict[str, Observer], inv_smooth: Mapping[str, np.ndarray]) -> None:
+        super().__init__(module, weights)
+        self.at_op, self.observers, self.inv_smooth = at_op, observers, inv_smooth
+
+    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        for site in self.at_op.get(id(step.op), ()):
+            if site.kind == "input":
+                x = inputs[0]
+            else:
+                x2 = inputs[0].reshape(-1, inputs[0].shape[-1])
+                act = _ACTS[str(step.attrs.get("act", "silu"))]
+                x = act(x2 @ inputs[1].T) * (x2 @ inputs[2].T)
+            inv = self.inv_smooth.get(site.key)
+            self.observers[site.key].add(x if inv is None else x * inv)
+        return step.kernel(inputs, step.attrs)
+
+
+@dataclass
+class _CalibModel:
+    module: Module
+    sites: list[Site]
+    at_op: dict[int, list[Site]]
+    weights: Callable[[str], np.ndarray]
+    seq_len: int
+
+
+def _calib_model(model: Any, seq_len: int, linears: frozenset[str]) -> _CalibModel:
+    spec, family = model.spec, model.family
+    shapes = {name: model.checkpoint.weights.shape(name) for name in model.checkpoint.weights.names()}
+    module = build_program(spec, family, StageConfig(seq_len, seq_len, False, ()), shapes)
+    rope = rope_weights(spec, seq_len)
+    store = model.checkpoint.weights
+    sites: list[Site] = []
+    at_op: dict[int, list[Site]] = {}
+    for i in range(spec.num_layers):
+        s, a = find_sites(module[f"block_{i}"], linears)
+        sites += s
+        at_op.update(a)
+    return _CalibModel(module, sites, at_op, lambda n: rope[n] if n in rope else store.get(n), seq_len)
+
+
+def _run_float(cm: _CalibModel, interp: Interpreter, windows: np.ndarray, num_layers: int, desc: str) -> None:
+    positions = np.arange(cm.seq_len, dtype=np.int32)[None]
+    for w in tqdm(windows, desc=desc, unit="sample", disable=len(windows) < 2):
+        h = interp.run("embedding", [w[None].astype(np.int32)])[0]
+        for i in range(num_layers):
+            h = interp.run(f"block_{i}", [h, positions])[0]
+
+
+def calibrate_plan(model: Any, windows: np.ndarray, linears: frozenset[str], opts: Int8Options) -> tuple[Int8Plan, _CalibModel]:
+    """Observe the float model on `windows` and compute scales and smoothing factors for every site."""
+    cm = _calib_model(model, windows.shape[1], linears)
+    first = {site.key: Observer("minmax") for site in cm.sites}
+    _run_float(cm, _ObserveInterpreter(cm.module, cm.weights, cm.at_op, first, {}), windows,
+               model.spec.num_layers, "int8 observe")
+    smooth: dict[str, np.ndarray] = {}
+    if opts.smooth_alpha is not None:
+        # down sites first: their factor rescales up's rows, which the gate/up site's weight maxima then see
+        for site in sorted(cm.sites, key=lambda s: s.kind != "mlp_hidden"):
+            w_max = np.max([np.abs(_effective(cm.weights, n, smooth, cm.sites)).max(axis=0) for n in site.names],
+                           axis=0)
+            smooth[site.key] = smooth_factors(first[site.key].channel_absmax, w_max, opts.smooth_alpha)  # type: ignore[arg-type]
+    observers = first
+    if opts.observer != "minmax":
+        inv = {k: (1.0 / v).astype(np.float32) for k, v in smooth.items()}
+        observers = {}
+        for site in cm.sites:
+            ch = first[site.key].channel_absmax
+            assert ch is not None
+            top = float((ch * inv[site.key]).max()) if site.key in inv else first[site.key].absmax
+            observers[site.key] = Observer(opts.observer, opts.percentile, range_max=top or None)
+        _run_float(cm, _ObserveInterpreter(cm.module, cm.weights, cm.at_op, observers, inv), windows,
+                   model.spec.num_layers, f"int8 {opts.observer} histograms")
+    modes, scales, absmax = {}, {}, {}
+    for site in cm.sites:
+        obs = observers[site.key]
+        if site.key in smooth and opts.observer == "minmax":
+            ch = obs.channel_absmax
+            assert ch is not None
+            top = float((ch / smooth[site.key]).max())
+        else:
+            top = obs.threshold() if opts.observer != "minmax" else obs.absmax
+        top = top if top > 0 else 1.0
+        for n in site.names:
+            modes[n] = "int8"
+            scales[n] = float(np.float32(top) / np.float32(QMAX))
+            absmax[n] = float(top)
+    info = {"observer": opts.observer, "percentile": opts.percentile, "smooth_alpha": opts.smooth_alpha,
+            "dynamic_tokens": opts.dynamic, "samples": int(windows.shape[0]), "seq_len": int(windows.shape[1])}
+    return Int8Plan(modes, scales, absmax, smooth, info), cm
+
+
+def smooth_factors(x_max: np.ndarray, w_max: np.ndarray, alpha: float) -> np.ndarray:
+    """SmoothQuant's per-input-channel s = max|X_j|^α / max|W_j|^(1-α) (1 where a channel is dead), float32."""
+    x_max = np.asarray(x_max, dtype=np.float64)
+    w_max = np.asarray(w_max, dtype=np.float64)
+    alive = (x_max > 0) & (w_max > 0)
+    s = np.ones_like(x_max)
+    s[alive] = x_max[alive] ** alpha / w_max[alive] ** (1 - alpha)
+    return np.clip(s, 1e-5, 1e5).astype(np.float32)
+
+
+def _effective(weights: Callable[[str], np.ndarray], name: str, smooth: Mapping[str, np.ndarray],
+               sites: list[Site]) -> np.ndarray:
+    """The float weight a linear computes with after smoothing: up rows / s_down, then columns * s_site."""
+    w = np.asarray(weights(name), dtype=np.float32)
+    for site in sites:
+        if site.fold == "up" and site.fold_weight == name and site.key in smooth:
+            w = w / smooth[site.key][:, None]
+        if name in site.names and site.key in smooth:
+            w = w * smooth[site.key][None, :]
+    return w.astype(np.float32)
+
+
+# ============================================================================ rewriting the program
+
+
+class LazyWeights(dict):  # type: ignore[type-arg]
+    """extra_weights whose values may be zero-argument callables, computed when read (not kept: a target streams
+    one weight at a time, so the whole int8 model never sits in memory twice)."""
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        value = super().__getitem__(key)
+        return value() if callable(value) else value
+
+
+def install_weights(model: Any, plan: Int8Plan, sites: list[Site]) -> None:
+    """Put the rewritten program's new tensors (codes, scales, smoothed/folded float weights) into the model."""
+    store = model.checkpoint.weights
+    original = store.get
+    extra = LazyWeights(model.extra_weights)
+    eff = lambda n: _effective(original, n, plan.smooth, sites)  # noqa: E731
+    for name, mode in plan.modes.items():
+        if mode == "int8":
+            extra[f"{name}.qweight"] = lambda n=name: quantize_weight(eff(n), SCALE_DTYPE)[0].astype(np.float32)
+            extra[f"{name}.wscale"] = lambda n=name: quantize_weight(eff(n), SCALE_DTYPE)[1]
+        elif _smoothed(name, plan, sites):
+            extra[f"{name}.smoothed"] = lambda n=name: eff(n)
+    for site in sites:
+        s = plan.smooth.get(site.key)
+        if s is None:
+            continue
+        if site.fold == "norm":
+            assert site.fold_weight is not None
+            extra[site.fold_weight] = lambda w=site.fold_weight, s=s: (original(w) / s).astype(np.float32)
+        elif site.fold == "mul":
+            extra[f"{site.key}.smooth_inv"] = (1.0 / s).astype(np.float32)
+    model.extra_weights = extra
+
+
+def _smoothed(name: str, plan: Int8Plan, sites: list[Site]) -> bool:
+    return any(s.key in plan.smooth and (name in s.names or (s.fold == "up" and s.fold_weight == name))
+               for s in sites)
+
+
+def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: bool) -> None:
+    """Replace the planned linears of every function (all stages) by int8 / smoothed bf16 ones, in place."""
+    site_of = {n: s for s in sites for n in s.names}
+    f32 = lambda *shape: TensorType(tuple(shape), "f32")  # noqa: E731
+    smoothed_inputs: dict[int, Value] = {}
+
+    def site_input(rw: Rewriter, x: Value, site: Site) -> Value:
+        if site.fold != "mul" or site.key not in plan.smooth:
+            return x
+        if id(x) not in smoothed_inputs:
+            inv = rw.builder.op("top.Weight", result_types=[f32(site.k)], name=f"{site.key}.smooth_inv")
+            smoothed_inputs[id(x)] = rw.builder.op("top.Mul", x, inv)
+        return smoothed_inputs[id(x)]
+
+    def linear(rw: Rewriter, x: Value, w: Value, bias: list[Value], name: str, loc: str | None) -> Value:
+        b = rw.builder
+        n, k = w.shape
+        if plan.modes[name] == "int8":
+            codes = b.op("top.Weight", result_types=[f32(n, k)], name=f"{name}.qweight")
+            scale = b.op("top.Weight", result_types=[f32(n)], name=f"{name}.wscale")
+            return b.op("top.MatMulInt8", x, codes, scale, *bias, loc=loc, dynamic=dynamic,
+                        act_scale=0.0 if dynamic else plan.act_scales[name])
+        if _smoothed(name, plan, sites):
+            w = b.op("top.Weight", result_types=[f32(n, k)], name=f"{name}.smoothed")
+        return b.op("top.MatMul", x, w, *bias, right_transpose=True, loc=loc)
+
+    def matmul(op: Operation, rw: Rewriter) -> bool:
+        name = _is_linear(op, frozenset(plan.modes))
+        if name is None or name not in site_of:
+            return False
+        if plan.modes[name] == "bf16" and not _smoothed(name, plan, sites):
+            return False
+        x, w, *bias = op.operands
+        rw.replace(op, [linear(rw, site_input(rw, x, site_of[name]), w, bias, name, op.loc)])
+        return True
+
+    def mlp(op: Operation, rw: Rewriter) -> bool:
+        names = [_weight_name(v) for v in op.operands[1:4]]
+        if not all(n in site_of for n in names):
+            return False
+        if all(plan.modes[n] == "bf16" and not _smoothed(n, plan, sites) for n in names):  # type: ignore[index]
+            return False  # nothing changes: keep the fused op
+        gate_n, up_n, down_n = names  # type: ignore[misc]
+        x, wg, wu, wd = op.operands
+        b, act = rw.builder, str(op.attrs.get("act", "silu"))
+        xs = site_input(rw, x, site_of[gate_n])
+        gate = linear(rw, xs, wg, [], gate_n, f"{op.loc}.gate")
+        up = linear(rw, xs, wu, [], up_n, f"{op.loc}.up")
+        a = b.op("top.SiLU", gate) if act == "silu" else \
+            b.op("top.GELU", gate, approximate="tanh" if act == "gelu_tanh" else "none")
+        h = b.op("top.Mul", a, up)  # a down-site factor is folded into up's rows: no Mul needed here
+        rw.replace(op, [linear(rw, h, wd, [], down_n, f"{op.loc}.down")])
+        return True
+
+    apply_patterns(module, {"top.MatMul": [matmul], "top.MLP": [mlp]})
+    module.attrs["topq.int8"] = {
+        "dynamic_tokens": dynamic,
+        "int8_linears": sum(m == "int8" for m in plan.modes.values()),
+        "bf16_linears": sorted(n for n, m in plan.modes.items() if m == "bf16"),
+        "act_scales": {n: plan.act_scales[n] for n in plan.modes},
+        **{k: v for k, v in plan.info.items() if k in ("observer", "percentile", "smooth_alpha") and v is not None},
+    }
+
+
+# ============================================================================ mixed precision
+
+
+class _MixedInterpreter(Interpreter):
+    """Runs an all-int8 program with a chosen set of linears switched back to their (smoothed) bf16 weights."""
+
+    def __init__(self, module: Module, weights: Callable[[str], np.ndarray]) -> None:
+        super().__init__(module, weights)
+        self.bf16: set[str] = set()
+        self._float: dict[str, np.ndarray] = {}
+
+    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        if step.op.name == "top.MatMulInt8":
+            name = str(step.op.operands[1].owner.attrs["name"])[: -len(".qweight")]  # type: ignore[union-attr]
+            if name in self.bf16:
+                w = self._float.get(name)
+                if w is None:  # codes * scale is not the float weight: rebuild it from the smoothed one
+                    w = self._float[name] = self.weights(f"{name}.float")
+                return REFERENCE_OPS["top.MatMul"]([inputs[0], w, *inputs[3:]], {"right_transpose": True})
+        return step.kernel(inputs, step.attrs)
+
+
+def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
+                    dynamic: bool) -> dict[str, Any]:
+    """Greedy search: switch linears to bf16 by decreasing perplexity damage until ppl ≤ budget × bf16 ppl."""
+    module = cm.module
+    rewrite_program(module, plan, cm.sites, dynamic)
+    spec, family = model.spec, model.family
+    host = lambda n: round_to_dtype(model.weight(n), SCALE_DTYPE)  # noqa: E731  (what a bf16 host bundle computes)
+    rope = rope_weights(spec, cm.seq_len)
+    eff = lambda n: _effective(model.checkpoint.weights.get, n, plan.smooth, cm.sites)  # noqa: E731
+
+    def weights(n: str) -> np.ndarray:
+        if n in rope:
+            return rope[n]
+        if n.endswith(".float"):
+            return round_to_dtype(eff(n[: -len(".float")]), SCALE_DTYPE)
+        return host(n)
+
+    interp = _MixedInterpreter(module, weights)
+    head = host(family.global_weights["embed" if spec.tie_word_embeddings else "lm_head"])
+    norm = host(family.global_weights["final_norm"])
+    positions = np.arange(cm.seq_len, dtype=np.int32)[None]
+
+    def ppl(bf16: set[str]) -> float:
+        interp.bf16 = bf16
+        total, count = 0.0, 0
+        for w in held_out:
+            h = interp.run("embedding", [w[None].astype(np.int32)])[0]
+            for i in range(spec.num_layers):
+                h = interp.run(f"block_{i}", [h, positions])[0]
+            h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
+            logits = (h[0, :-1] @ head.T).astype(np.float64)
+            logits -= logits.max(axis=-1, keepdims=True)
+            lp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+            total -= float(lp[np.arange(len(w) - 1), w[1:]].sum())
+            count += len(w) - 1
+        return math.exp(total / count)
+
+    names = list(plan.modes)
+    reference = ppl(set(names))
+    limit = budget * reference
+    current = ppl(set())
+    chosen: list[str] = []
+    report: dict[str, Any] = {"bf16_ppl": reference, "int8_ppl": current, "budget": budget}
+    if current > limit:
+        damage = {n: current - ppl({n}) for n in tqdm(names, desc="int8 sensitivity", unit="linear")}
+        bar = tqdm(sorted(names, key=lambda n: -damage[n]), desc="int8 mixed precision", unit="linear")
+        for n in bar:
+            chosen.append(n)
+            current = ppl(set(chosen))
+            bar.set_postfix_str(f"ppl {current:.3f} / {limit:.3f}")
+            if current <= limit:
+                break
+        bar.close()
+    for n in chosen:
+        plan.modes[n] = "bf16"
+    report.update(final_ppl=current, bf16_linears=len(chosen))
+    return report
+
+
+# ============================================================================ the scheme
+
+
+def _linear_names(model: Any) -> frozenset[str]:
+    """Decoder-layer linears (the lm_head follows quant.lm_head, as for every scheme)."""
+    from topq.core.pipeline import linear_weight_names
+
+    head = model.family.global_weights["embed" if model.spec.tie_word_embeddings else "lm_head"]
+    return frozenset(n for n in linear_weight_names(model.module) if n != head)
+
+
+def calibrate(model: Any, recipe: Any) -> dict[str, Any]:
+    from topq.core.calibration import calibration_windows
+
+    opts = Int8Options.from_recipe(recipe)
+    linears = _linear_names(model)
+    table = Path(opts.table) if opts.table else None
+    if table is not None and table.exists():
+        plan = Int8Plan.from_yaml(table.read_text(), str(table))
+        seq_len = int(plan.info.get("seq_len", 16))
+        cm = _calib_model(model, seq_len, linears)
+        missing = sorted(linears - set(plan.modes))
+        if missing:
+            raise TopqError(f"{table}: no entry for linear {missing[0]} (the table is for another model?)")
+    else:
+        windows = calibration_windows(model, recipe)
+        held_out = windows[:0]
+        if opts.budget is not None:
+            if len(windows) < 2:
+                raise TopqError("quant.budget needs at least 2 calibration samples (some are held out for perplexity)")
+            cut = len(windows) - max(1, len(windows) // 4)
+            windows, held_out = windows[:cut], windows[cut:]
+        plan, cm = calibrate_plan(model, windows, linears, opts)
+        if opts.budget is not None:
+            install_weights(model, plan, cm.sites)
+            plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic)
+        if table is not None:
+            table.parent.mkdir(parents=True, exist_ok=True)
+            table.write_text(plan.to_yaml())
+    install_weights(model, plan, cm.sites)
+    rewrite_program(model.module, plan, cm.sites, opts.dynamic)
+    return {}
+
+
+SCHEME = QuantScheme(
+    name="int8",
+    description="W8A8: per-channel int8 weights, int8 activations (static calibrated per tensor, or per token)",
+    compute_dtype="bf16",
+    weight_bits=8,
+    options=OPTIONS,
+    needs_calibration=True,
+    calibrate=calibrate,
+)
+
+
+@topq.hookimpl
+def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+    register(SCHEME)

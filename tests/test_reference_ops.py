@@ -56,7 +56,13 @@ def test_catalogue_covers_design_ops() -> None:
         "top.Rope", "top.FAttention", "top.MLP", "top.SiLU", "top.GELU", "top.Softmax",
         "top.TopK",
     }  # fmt: skip
-    assert set(REFERENCE_OPS) == expected
+    assert expected <= set(REFERENCE_OPS)
+    # Every Top op the catalogue declares has a reference kernel, except the ones the interpreter resolves
+    # itself (weights) or that carry their own body (raw-kernel regions).
+    from topq.core.catalogue import CATALOGUE
+
+    declared = {name for name in CATALOGUE if name.startswith("top.")} - {"top.Weight", "top.DSLRegion"}
+    assert declared <= set(REFERENCE_OPS)
 
 
 def test_input_is_identity_and_keeps_int_ids() -> None:

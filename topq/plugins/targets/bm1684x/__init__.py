@@ -7,6 +7,7 @@ numerics (kernels.py). perf: the performance model (perf.py). See docs/bm1684x.m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from topq.plugins.targets.bm1684x.compiler import PROGRAM_VERSION, compile_model
 from topq.plugins.targets.bm1684x.emulator import Emulator, checker_requested
 from topq.plugins.targets.bm1684x.memory import human
 from topq.plugins.targets.bm1684x.modes import MODES
+from topq.plugins.targets.bm1684x.perf import bundle_estimates, perf_entry
 from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec
 
 
@@ -66,21 +68,22 @@ def report(bundle: Bundle, chip: ChipSpec) -> dict[str, Any]:
                  f"of {chip.local_mem_per_lane}; {len(tiled)} tiled ops")
     out: dict[str, Any] = {"memory": memory, "layer_groups": groups, "text_sections": ["\n".join(lines)]}
     try:
-        out["predicted"] = _perf(chip)(bundle=bundle)
-    except (TopqError, ImportError, KeyError, ValueError) as exc:  # optional for inspect; say why it is missing
+        predicted = out["predicted"] = _perf(chip)(bundle=bundle)
+        # The per-op view of one layer's prefill and full-length decode, and the head.
+        estimates = bundle_estimates(bundle, chip, ("block_0", "block_cache_0", "lm_head"))
+    except (TopqError, KeyError, ValueError) as exc:  # optional for inspect; say why it is missing
         out["predicted_error"] = str(exc)
+        return out
+    out["predicted_ops"] = {e.name: [dataclasses.asdict(r) for r in e.rows] for e in estimates}
+    out["text_sections"].append(
+        f"predicted ({chip.name} performance model): first token {predicted['ftl_s'] * 1e3:.1f} ms, "
+        f"decode {predicted['decode_tps']:.1f} tokens/s, {predicted['bytes_per_token'] / 1e6:.1f} MB/token\n\n"
+        + "\n\n".join(e.table() for e in estimates))
     return out
 
 
 def _perf(chip: ChipSpec) -> Callable[..., dict[str, Any]]:
-    def perf(**kwargs: Any) -> dict[str, Any]:
-        try:
-            from topq.plugins.targets.bm1684x.perf import perf_entry
-        except ImportError as exc:  # TODO: remove once perf.py is always present
-            raise TopqError(f"the {chip.name} performance model is not available: {exc}") from None
-        return perf_entry(chip)(**kwargs)
-
-    return perf
+    return perf_entry(chip)
 
 
 def make_target(chip: ChipSpec) -> ChipTarget:

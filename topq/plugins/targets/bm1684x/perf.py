@@ -600,6 +600,27 @@ def perf_entry(chip_spec: ChipSpec) -> Callable[..., dict[str, Any]]:
 
 def predict_bundle(bundle: Any, chip: ChipSpec, prompt_length: int | None = None) -> dict[str, Any]:
     """Prediction for a bundle's own program (its stages and decode variants) and a prompt length."""
+    prog, mode, head, stages = _bundle_program(bundle, chip)
+    prompt = max(1, int(prompt_length or stages.max_input_length))
+    result = _summary(prog, chip, mode, head, CALIBRATION, prompt_length=prompt)
+    variant = _variant_for(min(prompt, stages.seq_length), prog.variants)
+    at_prompt = prog.decode(variant)
+    result.update({
+        "decode_variant": variant,
+        "decode_tps": 1.0 / at_prompt["step_s"],
+        "decode_step_s": at_prompt["step_s"],
+        "bytes_per_token": at_prompt["bytes"],
+    })
+    return result
+
+
+def bundle_estimates(bundle: Any, chip: ChipSpec, names: Iterable[str]) -> list[FunctionEstimate]:
+    """Per-op estimates of some of a bundle's functions (for `topq inspect`)."""
+    prog = _bundle_program(bundle, chip)[0]
+    return [prog.estimate(name) for name in names]
+
+
+def _bundle_program(bundle: Any, chip: ChipSpec) -> tuple[_Program, QuantMode, QuantMode, StageConfig]:
     spec = bundle.spec if isinstance(bundle.spec, ModelSpec) else ModelSpec.from_dict(bundle.spec)
     meta = bundle.meta
     st = meta["stages"]
@@ -615,15 +636,4 @@ def predict_bundle(bundle: Any, chip: ChipSpec, prompt_length: int | None = None
 
     family = get_plugins().families.get(meta.get("family") or spec.family)
     kernels = tuple((str(k["replace"]), str(k["with"])) for k in (bundle.recipe or {}).get("kernels") or ())
-    prog = _program(spec, family, stages, chip, mode, head, CALIBRATION, kernels)
-    prompt = max(1, int(prompt_length or stages.max_input_length))
-    result = _summary(prog, chip, mode, head, CALIBRATION, prompt_length=prompt)
-    variant = _variant_for(min(prompt, stages.seq_length), prog.variants)
-    at_prompt = prog.decode(variant)
-    result.update({
-        "decode_variant": variant,
-        "decode_tps": 1.0 / at_prompt["step_s"],
-        "decode_step_s": at_prompt["step_s"],
-        "bytes_per_token": at_prompt["bytes"],
-    })
-    return result
+    return _program(spec, family, stages, chip, mode, head, CALIBRATION, kernels), mode, head, stages

@@ -393,6 +393,10 @@ def test_memory_plan_and_layer_groups(bundle: Callable[..., Bundle]) -> None:
     assert report["local_values"] > 0 and report["groups"] < len(names)
     info = describe(b)
     assert "DDR plan" in info["text_sections"][0] and info["memory"]["total"] == module.attrs["bm.ddr"][0]
+    # the per-op predicted time table: rows for prefill, decode and the head, summing to each function's time
+    assert set(info["predicted_ops"]) == {"block_0", "block_cache_0", "lm_head"}
+    assert any(r["name"] == "MLP" and r["time_s"] > 0 for r in info["predicted_ops"]["block_cache_0"])
+    assert "@block_cache_0:" in info["text_sections"][-1] and "time us" in info["text_sections"][-1]
 
 
 def test_small_local_memory_tiles_and_still_runs(tiny: Any, tmp_path: Path) -> None:

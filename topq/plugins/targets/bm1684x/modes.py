@@ -29,6 +29,8 @@ MODES: dict[str, Mode] = {m.name: m for m in (
     Mode("w8bf16", "bf16", 8), Mode("w4bf16", "bf16", 4), Mode("w8f16", "f16", 8), Mode("w4f16", "f16", 4),
     # the checkpoint's own 4/8-bit weights (A16MatMul per weight, as its QuantSpec says) with bf16 activations
     Mode("auto", "bf16"),
+    # calibrated weight-only algorithms: their integers are packed like RTN's (per weight, from its QuantSpec)
+    Mode("gptq", "bf16"), Mode("awq", "bf16"), Mode("autoround", "bf16"),
     # W8A8: the scheme rewrites its linears to top.MatMulInt8 (→ tpu.MatMulInt8); everything else is bf16
     Mode("int8", "bf16"),
 )}

@@ -1,0 +1,46 @@
+"""GPTQ, AWQ and AutoRound bundles run on bm1684x: the chip computes what the host computes with the same integers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from topq.core.bundle import Bundle
+from topq.core.pipeline import convert
+from topq.core.recipe import recipe_from_defaults
+from topq.core.runtime import Session
+
+IDS = [1, 5, 9, 77, 120, 3, 44, 200]
+
+
+@pytest.fixture(scope="module")
+def tiny_with_calibration(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import build_tiny
+
+    d = tmp_path_factory.mktemp("algo_bm")
+    build_tiny("llama", d)
+    ids = np.random.default_rng(0).integers(3, 250, 400)
+    (d / "calib.ids").write_text(" ".join(map(str, ids)))
+    return d
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "awq", "autoround"])
+def test_algorithm_runs_on_bm1684x_like_host(tiny_with_calibration: Path, scheme: str) -> None:
+    d = tiny_with_calibration
+    logits = {}
+    for chip in ("host", "bm1684x"):
+        out = d / f"{scheme}_{chip}.topq"
+        recipe = recipe_from_defaults(
+            model={"path": str(d)}, target={"chip": chip}, output={"path": str(out)},
+            quant={"scheme": scheme, "group_size": 32, "iters": 20,
+                   "calibration": {"data": str(d / "calib.ids"), "samples": 4, "seq_len": 32}},
+            stages={"seq_length": 64, "max_input_length": 16})
+        convert(recipe, progress=False)
+        bundle = Bundle(out)
+        logits[chip] = Session(bundle).feed(IDS, all_logits=True)
+        if chip == "bm1684x":  # the algorithm's weights are stored as packed 4-bit A16 weights
+            assert "model.layers.0.mlp.down_proj.weight.packed" in bundle.tensor_names()
+    a, b = logits["host"], logits["bm1684x"]
+    assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) >= 0.999

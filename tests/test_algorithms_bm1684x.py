@@ -44,3 +44,27 @@ def test_algorithm_runs_on_bm1684x_like_host(tiny_with_calibration: Path, scheme
             assert "model.layers.0.mlp.down_proj.weight.packed" in bundle.tensor_names()
     a, b = logits["host"], logits["bm1684x"]
     assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) >= 0.999
+
+
+def test_awq_folds_its_scales_into_the_bundle_and_reports_errors(tiny_with_calibration: Path) -> None:
+    """AWQ rewrites the norms in front of the scaled linears; the bundle must carry those rewritten norms (else the
+    model is wrong), be closer to float than RTN, and report each linear's relative output error."""
+    d = tiny_with_calibration
+    results = {}
+    for scheme in ("f32", "w4bf16", "awq"):
+        out = d / f"cmp_{scheme}.topq"
+        recipe = recipe_from_defaults(
+            model={"path": str(d)}, target={"chip": "host"}, output={"path": str(out)},
+            quant={"scheme": scheme, "group_size": 32, "symmetric": False,
+                   "calibration": {"data": str(d / "calib.ids"), "samples": 4, "seq_len": 32}},
+            stages={"seq_length": 64, "max_input_length": 16})
+        summary = convert(recipe, progress=False)
+        results[scheme] = (Bundle(out), summary)
+    logits = {s: Session(b).feed(IDS, all_logits=True) for s, (b, _) in results.items()}
+    error = {s: float(np.abs(logits[s] - logits["f32"]).max()) for s in ("w4bf16", "awq")}
+    assert error["awq"] < error["w4bf16"], error
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not np.array_equal(np.asarray(results["awq"][0].tensor(norm)), np.asarray(results["f32"][0].tensor(norm)))
+    report = results["awq"][1]["quant_report"]
+    assert len(report) == 14 and all(0 < row["error"] < 1 and 0 < row["rtn_error"] < 1 for row in report)
+    assert results["awq"][0].meta["quant_report"] == report

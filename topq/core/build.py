@@ -62,6 +62,7 @@ class Prepared:
     model: Any  # pipeline.LoadedModel
     compiled: CompiledModel
     recipe: dict[str, Any]
+    quant_report: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 #: conversions prepared in this process, by recipe key; forked workers inherit the parent's entry

@@ -338,7 +338,10 @@ class LayerState:
         for name, w, w_eff in zip(names, weights, effective):
             rtn_error = float(output_error(w, quantize_groups(w, bits, group_size, symmetric).dequantize(), h).sum())
             error = float(output_error(w, w_eff, h).sum())
-            self.result.report.append({"name": name, "rtn_error": rtn_error, "error": error,
+            # ||X Wᵀ||² over the same inputs: the errors below are relative Frobenius norms of the outputs
+            reference = float(output_error(w, np.zeros_like(w), h).sum())
+            rel = (lambda e: float(np.sqrt(e / reference)) if reference > 0 else 0.0)
+            self.result.report.append({"name": name, "rtn_error": rel(rtn_error), "error": rel(error),
                                        "ratio": error / rtn_error if rtn_error > 0 else 0.0})
 
     def end_layer(self) -> None:

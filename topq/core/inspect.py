@@ -28,6 +28,7 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "tensors": len(sizes),
         "tensor_bytes": sum(sizes.values()),
         "file_bytes": bundle.path.stat().st_size,
+        "quant_report": bundle.meta.get("quant_report") or [],
     }
     target = get_plugins().targets.get(bundle.target)
     report = getattr(target, "report", None)
@@ -51,6 +52,10 @@ def format_description(info: dict[str, Any]) -> str:
     ]
     for f in info["functions"]:
         lines.append(f"{f['name']:<24} {f['ops']:>5}  ({', '.join(f['inputs'])}) -> ({', '.join(f['outputs'])})")
+    if info["quant_report"]:
+        lines += ["", f"{'quantized linear':<48} {'output error':>12} {'RTN error':>12} {'ratio':>7}"]
+        for row in info["quant_report"]:
+            lines.append(f"{row['name']:<48} {row['error']:>12.3e} {row['rtn_error']:>12.3e} {row['ratio']:>7.3f}")
     for section in info.get("text_sections", []):
         lines += ["", section]
     return "\n".join(lines)

@@ -144,6 +144,10 @@ class Quantizer:
             return scheme.quantize(self.model.weight(name), self.options)
         return None
 
+    def report(self) -> list[dict[str, Any]]:
+        """Per quantized linear, the relative output error on the calibration inputs (calibrated schemes)."""
+        return list(getattr(self.precomputed, "report", []) or [])
+
     @functools.cache  # noqa: B019 - one Quantizer per conversion
     def spec(self, name: str) -> QuantSpec | None:
         scheme = self._scheme_for(name)
@@ -170,6 +174,9 @@ def signed_if_offset_symmetric(q: QuantizedWeight) -> QuantizedWeight:
 def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_names: frozenset[str]) -> Quantizer:
     scheme = plugins.schemes.get(recipe.quant.scheme)
     precomputed = scheme.calibrate(model, recipe) if scheme.calibrate is not None else {}
+    # Algorithms may rewrite float tensors too (AWQ folds its scales into the preceding norms and biases);
+    # those replace the checkpoint's tensors for everything that follows.
+    model.extra_weights.update(getattr(precomputed, "float_weights", {}) or {})
     return Quantizer(model, scheme, plugins.schemes.get(recipe.quant.lm_head), recipe.to_dict()["quant"],
                      linear_names, precomputed)
 
@@ -215,7 +222,7 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None) -> Prepared:
     compiled = target.compile(job)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), target.name, compiled.program)
-    prepared = Prepared(model, compiled, recipe.to_dict())
+    prepared = Prepared(model, compiled, recipe.to_dict(), quantizer.report())
     remember(prepared)
     return prepared
 
@@ -245,6 +252,7 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
         "recipe": {k: v for k, v in recipe.to_dict().items() if k != "output"},
         "tokenizer": model.checkpoint.tokenizer_files,
         "target_meta": compiled.metadata,
+        "quant_report": prepared.quant_report,
         "stages": {"seq_length": stages.seq_length, "max_input_length": stages.max_input_length,
                    "prefill_kv": stages.prefill_kv, "decode_variants": list(stages.decode_variants)},
     }
@@ -272,6 +280,7 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
         "units_built": stats.built,
         "units_reused": stats.reused,
         "executor": runner.name,
+        "quant_report": prepared.quant_report,
         "bytes": output.stat().st_size,
         "seconds": round(time.perf_counter() - started, 3),
         "phases": phases.phases,

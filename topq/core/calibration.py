@@ -621,15 +621,13 @@ def calibration_scheme(name: str, description: str, solve: GroupSolver,
                        extra_options: tuple[str, ...] = ()) -> QuantScheme:
     """A weight-only QuantScheme whose `calibrate` runs the layer loop with `solve`.
 
-    The rewritten float tensors (`CalibrationResult.float_weights`) are also put into `model.extra_weights`,
-    which `LoadedModel.weight` reads before the checkpoint: every target then compiles the rewritten values."""
+    The rewritten float tensors (`CalibrationResult.float_weights`) are installed by the pipeline
+    (`make_quantizer`) in `model.extra_weights`, which `LoadedModel.weight` reads before the checkpoint."""
 
     def calibrate(model: LoadedModel, recipe: Recipe) -> CalibrationResult:
         options = scheme_options(recipe)
         windows = calibration_windows(model, recipe)
-        result = run_calibration(model, windows, solve, options, desc=name)
-        model.extra_weights.update(result.float_weights)
-        return result
+        return run_calibration(model, windows, solve, options, desc=name)
 
     def quantize(weight: np.ndarray, options: Mapping[str, Any]) -> QuantizedWeight:
         # Weights outside the decoder layers (e.g. `quant.lm_head: gptq`) have no calibration: round to nearest.

@@ -18,20 +18,20 @@ from tqdm import tqdm
 import topq
 from topq.core.build import BuildStats, Prepared, bundle_tensors, default_cache_dir, remember
 from topq.core.bundle import write_bundle
-from topq.core.executors import make_executor
 from topq.core.checkpoint import Checkpoint
 from topq.core.errors import TopqError
+from topq.core.executors import make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.ir import Module
 from topq.core.plugins import Plugins, get_plugins
 from topq.core.printer import print_function
 from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, round_to_dtype
-from topq.core.quantized_import import to_signed_symmetric
-from topq.core.types import ELEMENT_TYPES
 from topq.core.quant_math import resolve_group_size
+from topq.core.quantized_import import to_signed_symmetric
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.core.target import CompileJob
+from topq.core.types import ELEMENT_TYPES
 from topq.core.verifier import verify_module
 
 
@@ -77,7 +77,10 @@ def load_model(recipe: Recipe, plugins: Plugins | None = None) -> LoadedModel:
     spec = family.normalize(checkpoint.config)
     stages = StageConfig.from_recipe(recipe.stages)
     shapes = {name: checkpoint.weights.shape(name) for name in checkpoint.weights.names()}
-    module = build_program(spec, family, stages, shapes)
+    try:
+        module = build_program(spec, family, stages, shapes)
+    except TopqError as exc:  # a missing or misshapen tensor: say which checkpoint
+        raise TopqError(f"{checkpoint.path}: {exc}") from None
     if recipe.kernels:
         # Imported only when asked for: raw kernels are an optional layer on top of the core.
         from topq.raw.substitute import apply_kernel_substitutions

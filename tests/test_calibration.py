@@ -322,8 +322,9 @@ def test_scales_are_stored_in_the_compute_dtype() -> None:
 
 
 def test_awq_scheme_publishes_rewritten_norms(models: Any, tmp_path: Path) -> None:
-    """The AWQ scheme's float rewrites reach `model.weight` (what every target compiles) and its report shows each
-    linear's output error next to RTN's."""
+    """The AWQ scheme's float rewrites reach `model.weight` (what every target compiles) once the pipeline's
+    quantizer installs them, and its report shows each linear's output error next to RTN's."""
+    from topq.core.pipeline import linear_weight_names, make_quantizer
     from topq.core.plugins import get_plugins
 
     model = models("qwen2")
@@ -335,7 +336,8 @@ def test_awq_scheme_publishes_rewritten_norms(models: Any, tmp_path: Path) -> No
     norm = "model.layers.1.post_attention_layernorm.weight"
     original = model.checkpoint.weights.get(norm)
     try:
-        result = get_plugins().schemes.get("awq").calibrate(model, recipe)
+        quantizer = make_quantizer(model, recipe, get_plugins(), linear_weight_names(model.module))
+        result = quantizer.precomputed
         assert set(result.float_weights) <= set(model.extra_weights)
         np.testing.assert_array_equal(model.weight(norm), result.float_weights[norm])
         assert not np.allclose(model.weight(norm), original)

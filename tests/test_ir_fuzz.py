@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ir_gen import Dims, build_module
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import AUSTEN, TINY_STAGES, TinyHost, smol_path
+from test_smollm2_host import reference_perplexity
 
 from topq.core import cli
 from topq.core.bundle import Bundle
@@ -343,20 +344,6 @@ def test_plugins_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "host" in registered["target"] and "f32" in registered["quant scheme"]
 
 
-def hf_window_perplexity(model: Any, ids: list[int], window: int) -> tuple[float, int]:
-    total, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start:start + window]
-        if len(chunk) < 2:
-            break
-        with torch.no_grad():
-            logits = model(torch.tensor([chunk])).logits[0].double()
-        logprobs = torch.log_softmax(logits[:-1], dim=-1)
-        total -= float(logprobs[torch.arange(len(chunk) - 1), torch.tensor(chunk[1:])].sum())
-        count += len(chunk) - 1
-    return float(np.exp(total / count)), count
-
-
 def test_eval_json(capsys: pytest.CaptureFixture[str], smol_bundle: Bundle, smol_torch: Any) -> None:
     text = AUSTEN / "03_Persuasion.txt"
     code, out, err = call(capsys, "eval", smol_bundle.path, "--text", text, "--max-tokens", 97, "--window", 48,
@@ -364,7 +351,7 @@ def test_eval_json(capsys: pytest.CaptureFixture[str], smol_bundle: Bundle, smol
     assert code == 0, err
     result = json.loads(out)
     ids = smol_bundle.tokenizer.encode(text.read_text(encoding="utf-8"))[:97]
-    expected, count = hf_window_perplexity(smol_torch, ids, 48)
+    expected, count = reference_perplexity(smol_torch, ids, 48)
     assert result["tokens"] == count == 47 + 47  # windows [0, 48) and [48, 96); one token left predicts nothing
     assert result["perplexity"] == pytest.approx(expected, rel=1e-3)
     print(f"\neval --json: topq {result['perplexity']:.4f} transformers {expected:.4f} over {count} tokens")

@@ -63,6 +63,8 @@ class Prepared:
     compiled: CompiledModel
     recipe: dict[str, Any]
     quant_report: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    calibration: Any = None  # what the scheme's calibration returned (a CalibrationResult, or {})
+    calibration_file: str | None = None  # where that result is stored for workers that cannot inherit it
 
 
 #: conversions prepared in this process, by recipe key; forked workers inherit the parent's entry
@@ -79,19 +81,43 @@ def remember(prepared: Prepared) -> None:
     _PREPARED[recipe_key(prepared.recipe)] = prepared
 
 
-def _prepared(recipe: dict[str, Any]) -> Prepared:
+def _prepared(recipe: dict[str, Any], calibration_file: str | None = None) -> Prepared:
     key = recipe_key(recipe)
-    if key not in _PREPARED:  # a worker that did not fork from the parent (Ray): rebuild the same program
+    if calibration_file is not None:  # one conversion's calibration: a later one may calibrate differently
+        key = f"{key}:{calibration_file}"
+    if key not in _PREPARED:
+        # A worker that did not fork from the parent (Ray): rebuild the same program, loading the parent's
+        # calibration result (if any) instead of calibrating again.
         from topq.core.pipeline import prepare
         from topq.core.recipe import Recipe
 
-        _PREPARED[key] = prepare(Recipe.from_dict(recipe, source="<build task>"))
+        _PREPARED.clear()  # one conversion at a time per worker: do not keep earlier models alive
+        _PREPARED[key] = prepare(Recipe.from_dict(recipe, source="<build task>"), calibration_file=calibration_file)
     return _PREPARED[key]
 
 
-def compile_unit(recipe: dict[str, Any], names: list[str], out_path: str) -> str:
+def store_calibration(prepared: Prepared, cache_dir: Path | None) -> Path | None:
+    """Store the calibration result for workers that do not share this process's memory (`_prepared` loads it);
+    return the directory to delete after the conversion (None: nothing to store)."""
+    result = prepared.calibration
+    if not result and not any(getattr(result, a, None) for a in ("float_weights", "report", "state")):
+        return None
+    from topq.core.calibration import save_calibration
+
+    parent = None
+    if cache_dir is not None:  # the cache is where workers already read and write (a shared file system)
+        parent = cache_dir / "calibration"
+        parent.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="topq-calibration-", dir=parent))
+    path = directory / "calibration.safetensors"
+    save_calibration(result, path)
+    prepared.calibration_file = str(path)
+    return directory
+
+
+def compile_unit(recipe: dict[str, Any], names: list[str], out_path: str, calibration_file: str | None = None) -> str:
     """A build task: produce the tensors `names` and store them at `out_path` (atomically)."""
-    prepared = _prepared(recipe)
+    prepared = _prepared(recipe, calibration_file)
     types = prepared.compiled.manifest
     manifest = [(n, types[n].np_dtype, types[n].shape) for n in names]
     digests = {f"sha256:{n}": "0" * 64 for n in names}  # fixed width: the header is rewritten in place
@@ -175,7 +201,7 @@ def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path |
     paths = {unit: directory / f"{keys[unit]}.safetensors" for unit in units}
     todo = [unit for unit in units if not paths[unit].exists()]
     stats.built, stats.reused = len(todo), len(units) - len(todo)
-    tasks = [(prepared.recipe, units[unit], str(paths[unit])) for unit in todo]
+    tasks = [(prepared.recipe, units[unit], str(paths[unit]), prepared.calibration_file) for unit in todo]
     for _ in tqdm(executor.map(compile_unit, tasks), total=len(tasks), desc=f"compile units ({executor.name})",
                   unit="unit", disable=not progress or not tasks):
         pass

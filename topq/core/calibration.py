@@ -16,16 +16,20 @@ need (`InputStats`: H = mean xᵀx and mean |x| per channel; every algorithm her
 ||X Wᵀ - X Ŵᵀ||² through H, exactly and over all tokens). Groups are solved in order ("true sequential"), so a
 group's inputs already come through the quantized groups before it; finally the whole layer runs once more with
 its quantized weights and that output feeds the next layer, so every layer is calibrated on what the quantized
-model will really see.
+model will really see. The per-sample runs are tasks on the conversion's executor (this process, a forked pool or
+Ray, docs/conversion.md); the statistics are summed here in sample order, so results do not depend on it.
 
 Solvers live in the scheme plugins; they read weights and publish results through `LayerState`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,8 +38,10 @@ import numpy as np
 from tqdm import tqdm
 
 from topq.core.errors import TopqError
+from topq.core.executors import InlineExecutor, TaskExecutor, resolve
+from topq.core.family import ModelSpec
 from topq.core.interpreter import Interpreter, Step
-from topq.core.ir import Function, Operation, Value
+from topq.core.ir import Function, Module, Operation, Value
 from topq.core.quant import QuantizedWeight, QuantScheme, round_to_dtype
 from topq.core.quant_math import (
     check_bits,
@@ -44,6 +50,7 @@ from topq.core.quant_math import (
     resolve_group_size,
 )
 from topq.core.reference_ops import gelu, silu
+from topq.core.safetensors_io import SafetensorsFile, write_safetensors
 from topq.core.stages import StageConfig, build_program, rope_weights
 
 if TYPE_CHECKING:
@@ -52,7 +59,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CalibrationResult", "FoldTarget", "GroupInputs", "InputStats", "LayerState", "calibration_scheme",
-    "calibration_windows", "read_token_stream", "run_calibration", "sample_windows", "scheme_options",
+    "calibration_windows", "load_calibration", "quantization_report", "read_token_stream", "run_calibration",
+    "sample_windows", "save_calibration", "scheme_options",
 ]
 
 # ================================================================================ calibration data
@@ -236,12 +244,69 @@ class CalibrationResult(dict[str, QuantizedWeight]):
     * `float_weights`: {name: float32 array} — non-quantized tensors the algorithm rewrote (AWQ folds its
       per-channel scales into the RMSNorm weights and into biases); they replace the checkpoint's tensors.
     * `report`: per linear, the calibration-set output error of plain RTN and of the algorithm.
+    * `state`: anything else (JSON-able) a scheme's `restore` needs to redo its other changes to the model in a
+      worker that loads this result instead of calibrating (int8: the plan).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.float_weights: dict[str, np.ndarray] = {}
         self.report: list[dict[str, Any]] = []
+        self.state: dict[str, Any] = {}
+
+
+_STORE_KEY = "topq_calibration"
+_STORE_FORMAT = 1
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON-able")
+
+
+def save_calibration(result: Mapping[str, QuantizedWeight], path: str | Path) -> None:
+    """Store a calibration result — quantized values, `float_weights`, `report`, `state` — in one safetensors file
+    (arrays exactly as they are, the rest as JSON in its metadata), atomically. No pickle."""
+    tensors: list[tuple[str, np.ndarray]] = []
+    quantized: dict[str, dict[str, Any]] = {}
+    for name, qw in result.items():
+        tensors += [(f"q:{name}:codes", np.ascontiguousarray(qw.codes)),
+                    (f"q:{name}:scales", np.ascontiguousarray(qw.scales)),
+                    (f"q:{name}:zeros", np.ascontiguousarray(qw.zeros))]
+        if qw.g_idx is not None:
+            tensors.append((f"q:{name}:g_idx", np.ascontiguousarray(qw.g_idx)))
+        quantized[name] = {"bits": int(qw.bits), "group_size": int(qw.group_size), "symmetric": bool(qw.symmetric),
+                           "g_idx": qw.g_idx is not None}
+    floats = dict(getattr(result, "float_weights", None) or {})
+    tensors += [(f"f:{name}", np.ascontiguousarray(array)) for name, array in floats.items()]
+    doc = {"format": _STORE_FORMAT, "quantized": quantized, "float_weights": list(floats),
+           "report": list(getattr(result, "report", None) or []), "state": dict(getattr(result, "state", None) or {})}
+    write_safetensors(path, tensors, {_STORE_KEY: json.dumps(doc, default=_json_default)})
+
+
+def load_calibration(path: str | Path) -> CalibrationResult:
+    """The result `save_calibration` stored (arrays are private copies, identical to the saved ones)."""
+    file = SafetensorsFile(path)
+    try:
+        doc = json.loads(file.metadata[_STORE_KEY])
+        if doc.get("format") != _STORE_FORMAT:
+            raise ValueError(f"format {doc.get('format')}")
+        result = CalibrationResult()
+        for name, info in doc["quantized"].items():
+            g_idx = file.read(f"q:{name}:g_idx") if info["g_idx"] else None
+            result[name] = QuantizedWeight(file.read(f"q:{name}:codes"), file.read(f"q:{name}:scales"),
+                                           file.read(f"q:{name}:zeros"), int(info["bits"]), int(info["group_size"]),
+                                           bool(info["symmetric"]), g_idx)
+        for name in doc["float_weights"]:
+            result.float_weights[name] = file.read(f"f:{name}")
+        result.report = list(doc["report"])
+        result.state = dict(doc["state"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise TopqError(f"{path}: not a topq calibration file ({type(exc).__name__}: {exc})") from None
+    return result
 
 
 class LayerState:
@@ -340,7 +405,7 @@ class LayerState:
             error = float(output_error(w, w_eff, h).sum())
             # ||X Wᵀ||² over the same inputs: the errors below are relative Frobenius norms of the outputs
             reference = float(output_error(w, np.zeros_like(w), h).sum())
-            rel = (lambda e: float(np.sqrt(e / reference)) if reference > 0 else 0.0)
+            rel = (lambda e, reference=reference: float(np.sqrt(e / reference)) if reference > 0 else 0.0)
             self.result.report.append({"name": name, "rtn_error": rel(rtn_error), "error": rel(error),
                                        "ratio": error / rtn_error if rtn_error > 0 else 0.0})
 
@@ -547,44 +612,224 @@ class _CaptureInterpreter(Interpreter):
 GroupSolver = Callable[[GroupInputs, LayerState, Mapping[str, Any]], None]
 
 
+class _Captured:
+    """Stands in for InputStats in a calibration task: keeps the captured inputs, for the parent to add in order."""
+
+    def __init__(self) -> None:
+        self.items: list[np.ndarray] = []
+
+    def add(self, x: np.ndarray) -> None:
+        self.items.append(np.asarray(x, dtype=np.float32))
+
+
+class _FixedWeights:
+    """A LayerState's interface over one step's weights (what `_CaptureInterpreter` reads)."""
+
+    version = 0
+
+    def __init__(self, weights: Mapping[str, np.ndarray]) -> None:
+        self.weights = weights
+
+    def current_weight(self, name: str) -> np.ndarray:
+        return self.weights[name]
+
+
+@dataclass(frozen=True)
+class _ProgramSource:
+    """What builds the calibration program, JSON-able: a worker that shares no memory builds it itself."""
+
+    key: str
+    family: str
+    spec: dict[str, Any]
+    seq_len: int
+    shapes: dict[str, list[int]]
+
+
+def _program_source(model: LoadedModel, seq_len: int) -> _ProgramSource:
+    store = model.checkpoint.weights
+    shapes = {name: [int(d) for d in store.shape(name)] for name in store.names()}
+    spec = model.spec.to_dict()
+    key = json.dumps([model.family.name, spec, seq_len, shapes], sort_keys=True, default=str)
+    return _ProgramSource(hashlib.sha256(key.encode()).hexdigest(), model.family.name, spec, seq_len, shapes)
+
+
+#: calibration programs built in this process (forked workers inherit the parent's), by source key
+_PROGRAMS: dict[str, tuple[Module, Any, Any]] = {}
+
+
+def _calibration_program(source: _ProgramSource, family: Any = None, spec: Any = None) -> tuple[Module, Any, Any]:
+    """(module, family, spec): the program every stage function of which runs one window of `seq_len` tokens."""
+    cached = _PROGRAMS.get(source.key)
+    if cached is None:
+        if family is None:
+            from topq.core.plugins import get_plugins
+
+            family = get_plugins().families.get(source.family)
+        spec = spec if spec is not None else ModelSpec.from_dict(source.spec)
+        shapes = {name: tuple(shape) for name, shape in source.shapes.items()}
+        module = build_program(spec, family, StageConfig(source.seq_len, source.seq_len, False, ()), shapes)
+        while len(_PROGRAMS) >= 2:  # a process calibrates one model at a time
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        cached = _PROGRAMS[source.key] = (module, family, spec)
+    return cached
+
+
+@dataclass
+class _LayerStep:
+    """One step of the layer loop, as its tasks see it: capture group `group`'s input (None: the layer output)
+    for some samples, with the layer's weights as they are now."""
+
+    token: str  # unique: a worker keeps its interpreter for the step it last ran
+    source: _ProgramSource
+    layer: int
+    group: int | None
+    weights: dict[str, np.ndarray]  # every weight block_{layer} reads, as the model computes with it now
+    hidden: np.ndarray | None = None  # every sample's layer input [samples, L, H] (executors that share memory)
+
+
+_STEP: dict[str, Any] = {}  # this process's interpreter for the step it last ran
+
+
+def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, _GroupPlan | None]:
+    if _STEP.get("token") != step.token:
+        module, family, spec = _calibration_program(step.source)
+        plan = None
+        if step.group is not None:
+            plan = _find_groups(module[f"block_{step.layer}"], family, spec, step.layer)[step.group]
+        _STEP.clear()
+        _STEP.update(token=step.token, interp=_CaptureInterpreter(module, _FixedWeights(step.weights)),  # type: ignore[arg-type]
+                     plan=plan)
+    return _STEP["interp"], _STEP["plan"]
+
+
+def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None) -> list[np.ndarray]:
+    """A calibration task: for samples start..stop, the input the step's group sees (or the layer's output), one
+    array per sample. `rows` are those samples' layer inputs, unless the step carries them all (`hidden`)."""
+    step: _LayerStep = resolve(step_handle)
+    interp, plan = _step_runner(step)
+    hidden = rows if rows is not None else step.hidden[start:stop]  # type: ignore[index]
+    positions = np.arange(step.source.seq_len, dtype=np.int32)[None]
+    name = f"block_{step.layer}"
+    if plan is None:
+        return [interp.run(name, [h[None], positions])[0][0] for h in hidden]
+    captured = _Captured()
+    interp.capture(plan, captured)  # type: ignore[arg-type]
+    try:
+        for h in hidden:
+            try:
+                interp.run(name, [h[None], positions])
+            except _StopLayer:
+                pass
+    finally:
+        interp.capture(None, None)
+    return captured.items
+
+
+def _chunk_size(executor: TaskExecutor, samples: int) -> int:
+    """Samples per task: one in this process (nothing to amortise, memory stays at one sample); else a few tasks
+    per worker, enough to balance the load while keeping the per-task overhead small."""
+    if isinstance(executor, InlineExecutor):
+        return 1
+    return max(1, math.ceil(samples / (4 * max(1, int(executor.jobs)))))
+
+
+def _map_samples(executor: TaskExecutor, step: _LayerStep, hidden: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
+    """Run `step` on every sample through `executor`; the per-sample results, in sample order."""
+    if executor.shares_memory:
+        step.hidden = hidden
+    handle = executor.share(step)
+    try:
+        tasks = [(handle, a, min(a + chunk, len(hidden)),
+                  None if executor.shares_memory else np.ascontiguousarray(hidden[a:a + chunk]))
+                 for a in range(0, len(hidden), chunk)]
+        for result in executor.map(_layer_task, tasks):
+            yield from result
+    finally:
+        executor.release(handle)
+
+
+def _weights_read(function: Function) -> list[str]:
+    return list(dict.fromkeys(str(op.attrs["name"]) for op in function.walk() if op.name == "top.Weight"))
+
+
 def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver, options: Mapping[str, Any],
-                    progress: bool = True, desc: str = "calibrate") -> CalibrationResult:
-    """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc)."""
+                    progress: bool = True, desc: str = "calibrate",
+                    executor: TaskExecutor | None = None) -> CalibrationResult:
+    """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc).
+
+    The per-sample work — running the layer up to a group's input, and the quantized layer's forward — runs as
+    tasks on `executor` (default: this process). Tasks return the captured inputs / outputs and this process adds
+    them to the statistics in sample order, so every float sum happens in the same order whatever ran the tasks
+    (identical results for any executor and job count). The solvers run here, between steps; each step's tasks
+    get the layer's weights as they are at that point (`TaskExecutor.share`)."""
+    executor = executor if executor is not None else InlineExecutor()
     windows = np.asarray(windows, dtype=np.int32)
     samples, seq_len = windows.shape
     spec, family = model.spec, model.family
-    shapes = {name: model.checkpoint.weights.shape(name) for name in model.checkpoint.weights.names()}
-    module = build_program(spec, family, StageConfig(seq_len, seq_len, False, ()), shapes)
+    source = _program_source(model, seq_len)
+    module, _, _ = _calibration_program(source, family, spec)
     state = LayerState(model.weight, rope_weights(spec, seq_len), scale_dtype=str(options.get("act_dtype", "f32")))
     interp = _CaptureInterpreter(module, state)
     hidden = np.stack([interp.run("embedding", [w[None]])[0][0] for w in windows])  # [samples, L, H]
-    positions = np.arange(seq_len, dtype=np.int32)[None]
     plans = [_find_groups(module[f"block_{i}"], family, spec, i) for i in range(spec.num_layers)]
     for plan in (p for layer_plans in plans for p in layer_plans):  # fail before hours of calibration, not after
         resolve_group_size(options.get("group_size"), plan.k, what=" / ".join(plan.names))
+    chunk = _chunk_size(executor, samples)
     bar = tqdm(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
     try:
         for layer, layer_plans in enumerate(plans):
-            name = f"block_{layer}"
-            for plan in layer_plans:
-                stats = InputStats(plan.k)
-                interp.capture(plan, stats)
-                for s in range(samples):
-                    try:
-                        interp.run(name, [hidden[s:s + 1], positions])
-                    except _StopLayer:
-                        pass
-                interp.capture(None, None)
+            reads = _weights_read(module[f"block_{layer}"])
+
+            def step(group: int | None) -> _LayerStep:
+                return _LayerStep(uuid.uuid4().hex, source, layer, group,  # noqa: B023 - used at once
+                                  {n: state.current_weight(n) for n in reads})  # noqa: B023
+
+            for g, plan in enumerate(layer_plans):
                 bar.set_postfix_str(f"layer {layer} {'/'.join(plan.keys)}")
+                stats = InputStats(plan.k)
+                for x in _map_samples(executor, step(g), hidden, chunk):
+                    stats.add(x)
                 solve(GroupInputs(layer, plan.keys, plan.names, stats, plan.fold), state, options)
                 bar.update()
-            for s in range(samples):  # the quantized layer's output is the next layer's input
-                hidden[s] = interp.run(name, [hidden[s:s + 1], positions])[0][0]
+            # the quantized layer's output is the next layer's input
+            for s, out in enumerate(_map_samples(executor, step(None), hidden, chunk)):
+                hidden[s] = out
             state.end_layer()
             bar.update()
     finally:
         bar.close()
+        _STEP.clear()
     return state.result
+
+
+def relative_output_error(w: np.ndarray, w_hat: np.ndarray, h: np.ndarray) -> float:
+    """||X Wᵀ - X Ŵᵀ||_F / ||X Wᵀ||_F over the inputs whose H = mean xᵀx is `h` (0 for a zero output)."""
+    error = float(output_error(w, w_hat, h).sum())
+    reference = float(output_error(w, np.zeros_like(w), h).sum())
+    return float(np.sqrt(error / reference)) if reference > 0 else 0.0
+
+
+def quantization_report(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
+                        executor: TaskExecutor | None = None) -> CalibrationResult:
+    """For a scheme that quantizes weight by weight (`scheme.quantize`: RTN), the calibration report only: per
+    decoder linear, the relative output error of its quantized weight on the calibration windows.
+
+    The layer loop runs on the float model (nothing is published, so every layer sees the float model's
+    inputs, which are also what the RTN weights were chosen without). Returns a result with no values."""
+    assert scheme.quantize is not None
+    options = {k: v for k, v in recipe.to_dict()["quant"].items() if v is not None}
+    options["act_dtype"] = scheme.compute_dtype
+    quantize = scheme.quantize
+
+    def report(group: GroupInputs, state: LayerState, _options: Mapping[str, Any]) -> None:
+        h = group.stats.hessian()
+        for name in group.names:
+            w = state.float_weight(name)
+            error = relative_output_error(w, quantize(w, options).dequantize(), h)
+            state.result.report.append({"name": name, "error": error})
+
+    windows = calibration_windows(model, recipe)
+    return run_calibration(model, windows, report, options, desc=f"{scheme.name} error", executor=executor)
 
 
 # ================================================================================ schemes
@@ -624,10 +869,10 @@ def calibration_scheme(name: str, description: str, solve: GroupSolver,
     The rewritten float tensors (`CalibrationResult.float_weights`) are installed by the pipeline
     (`make_quantizer`) in `model.extra_weights`, which `LoadedModel.weight` reads before the checkpoint."""
 
-    def calibrate(model: LoadedModel, recipe: Recipe) -> CalibrationResult:
+    def calibrate(model: LoadedModel, recipe: Recipe, *, executor: TaskExecutor | None = None) -> CalibrationResult:
         options = scheme_options(recipe)
         windows = calibration_windows(model, recipe)
-        return run_calibration(model, windows, solve, options, desc=name)
+        return run_calibration(model, windows, solve, options, desc=name, executor=executor)
 
     def quantize(weight: np.ndarray, options: Mapping[str, Any]) -> QuantizedWeight:
         # Weights outside the decoder layers (e.g. `quant.lm_head: gptq`) have no calibration: round to nearest.

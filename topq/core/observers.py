@@ -15,6 +15,8 @@ exact and one pass over the data suffices (giving R up front — e.g. from a min
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from topq.core.errors import TopqError
@@ -65,6 +67,51 @@ class Observer:
             self.range *= 2
         idx = np.minimum((a * (self.bins / self.range)).astype(np.int64), self.bins - 1)
         self.hist += np.bincount(idx, minlength=self.bins)
+
+    def merge(self, other: Observer) -> None:
+        """Add the statistics of `other`, an observer of other batches of the same tensor (a worker's share of the
+        calibration data). Maxima and integer counts: the result does not depend on how the batches were split or
+        in which order partial observers merge — provided their histograms cover the same range (give `range_max`
+        up front); ranges a power of two apart are aligned by merging bins, as `add` does when it grows."""
+        if other.kind != self.kind or other.bins != self.bins:
+            raise TopqError(f"cannot merge a {other.kind} observer ({other.bins} bins) into a {self.kind} one "
+                            f"({self.bins} bins)")
+        if other.count == 0:
+            return
+        if other.channel_absmax is not None:
+            if self.channel_absmax is None:
+                self.channel_absmax = other.channel_absmax.copy()
+            elif self.channel_absmax.shape != other.channel_absmax.shape:
+                raise TopqError(f"cannot merge observers of {other.channel_absmax.size} and "
+                                f"{self.channel_absmax.size} channels")
+            else:
+                self.channel_absmax = np.maximum(self.channel_absmax, other.channel_absmax)
+        self.absmax = max(self.absmax, other.absmax)
+        if self.hist is not None and other.hist is not None:
+            if self.count == 0 and not self.hist.any():
+                self.range = other.range if self.range <= 0 else self.range
+            theirs = other.hist
+            if self.range != other.range:
+                low, high = sorted((self.range, other.range))
+                steps = math.log2(high / low) if low > 0 else 0.5
+                if steps != int(steps):
+                    raise TopqError(f"cannot merge histograms over [0, {self.range}] and [0, {other.range}]")
+                while self.range < other.range:
+                    self._double_range()
+                r = other.range
+                while r < self.range:
+                    merged = theirs.reshape(-1, 2).sum(axis=1)
+                    theirs = np.concatenate([merged, np.zeros(self.bins - merged.size, np.int64)])
+                    r *= 2
+            self.hist = self.hist + theirs
+        self.count += other.count
+
+    def _double_range(self) -> None:
+        """Bin i of the histogram over twice the range = bins 2i, 2i+1 of this one."""
+        assert self.hist is not None
+        merged = self.hist.reshape(-1, 2).sum(axis=1)
+        self.hist = np.concatenate([merged, np.zeros(self.bins - merged.size, np.int64)])
+        self.range *= 2
 
     @property
     def bin_width(self) -> float:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
+import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,11 +18,18 @@ import numpy as np
 from tqdm import tqdm
 
 import topq
-from topq.core.build import BuildStats, Prepared, bundle_tensors, default_cache_dir, remember
+from topq.core.build import (
+    BuildStats,
+    Prepared,
+    bundle_tensors,
+    default_cache_dir,
+    remember,
+    store_calibration,
+)
 from topq.core.bundle import write_bundle
 from topq.core.checkpoint import Checkpoint
 from topq.core.errors import TopqError
-from topq.core.executors import make_executor
+from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.ir import Module
 from topq.core.plugins import Plugins, get_plugins
@@ -148,7 +157,8 @@ class Quantizer:
         return None
 
     def report(self) -> list[dict[str, Any]]:
-        """Per quantized linear, the relative output error on the calibration inputs (calibrated schemes)."""
+        """Per quantized linear, the relative output error on the calibration inputs (calibrated schemes; RTN
+        schemes when the recipe gives calibration data)."""
         return list(getattr(self.precomputed, "report", []) or [])
 
     @functools.cache  # noqa: B019 - one Quantizer per conversion
@@ -174,9 +184,43 @@ def signed_if_offset_symmetric(q: QuantizedWeight) -> QuantizedWeight:
     return dataclasses.replace(q, symmetric=False)
 
 
-def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_names: frozenset[str]) -> Quantizer:
+def _takes_executor(fn: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "executor" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def calibrate_scheme(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
+                     executor: TaskExecutor | None = None) -> Mapping[str, QuantizedWeight]:
+    """The scheme's calibration result ({} for schemes that do not calibrate). A scheme with `calibrate` gets the
+    executor if its calibrate takes one (see QuantScheme); a weight-by-weight scheme (RTN) given calibration data
+    gets the per-linear error report (`quantization_report`)."""
+    if scheme.calibrate is not None:
+        if executor is not None and _takes_executor(scheme.calibrate):
+            return scheme.calibrate(model, recipe, executor=executor)
+        return scheme.calibrate(model, recipe)
+    if scheme.quantize is not None and scheme.weight_bits and recipe.quant.calibration.data is not None:
+        from topq.core.calibration import quantization_report
+
+        return quantization_report(model, recipe, scheme, executor)
+    return {}
+
+
+def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_names: frozenset[str],
+                   executor: TaskExecutor | None = None, calibration_file: str | None = None) -> Quantizer:
+    """`calibration_file`: a result the converting process stored (`save_calibration`), used instead of
+    calibrating again (a Ray worker)."""
     scheme = plugins.schemes.get(recipe.quant.scheme)
-    precomputed = scheme.calibrate(model, recipe) if scheme.calibrate is not None else {}
+    if calibration_file is not None:
+        from topq.core.calibration import load_calibration
+
+        precomputed: Mapping[str, QuantizedWeight] = load_calibration(calibration_file)
+        if scheme.restore is not None:
+            scheme.restore(model, recipe, precomputed)
+    else:
+        precomputed = calibrate_scheme(model, recipe, scheme, executor)
     # Algorithms may rewrite float tensors too (AWQ folds its scales into the preceding norms and biases);
     # those replace the checkpoint's tensors for everything that follows.
     model.extra_weights.update(getattr(precomputed, "float_weights", {}) or {})
@@ -202,8 +246,12 @@ def _check_target_scheme(target: Any, scheme: QuantScheme) -> None:
         raise TopqError(f"target {target.name} runs only float schemes")
 
 
-def prepare(recipe: Recipe, dump_dir: Path | None = None) -> Prepared:
-    """Load the model, decide quantization and compile the program (tensors are produced later, on demand)."""
+def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor | None = None,
+            calibration_file: str | None = None) -> Prepared:
+    """Load the model, decide quantization and compile the program (tensors are produced later, on demand).
+
+    Calibration runs its per-sample tasks on `executor` (default: this process); with `calibration_file` the
+    result stored there by the converting process is loaded instead."""
     plugins = get_plugins()
     scheme = plugins.schemes.get(recipe.quant.scheme)
     target = plugins.targets.get(recipe.target.chip)
@@ -217,7 +265,7 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None) -> Prepared:
     if dump_dir is not None:
         dump_ir(Path(dump_dir), "top", model.module)
     linear_names = linear_weight_names(model.module)
-    quantizer = make_quantizer(model, recipe, plugins, linear_names)
+    quantizer = make_quantizer(model, recipe, plugins, linear_names, executor, calibration_file)
     job = CompileJob(module=model.module, spec=model.spec, weights=model.weight, scheme=scheme,
                      weight_in=model.weight_in, quant_options=recipe.to_dict()["quant"], recipe=recipe.to_dict(),
                      linear_weights=linear_names,
@@ -225,7 +273,8 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None) -> Prepared:
     compiled = target.compile(job)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), target.name, compiled.program)
-    prepared = Prepared(model, compiled, recipe.to_dict(), quantizer.report())
+    prepared = Prepared(model, compiled, recipe.to_dict(), quantizer.report(), quantizer.precomputed,
+                        calibration_file)
     remember(prepared)
     return prepared
 
@@ -235,13 +284,25 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
             use_cache: bool = False) -> dict[str, Any]:
     """Run the whole conversion; return a JSON-able summary.
 
-    `jobs` / `executor` choose where units compile (executors.py); with `use_cache` built units are kept in
-    `cache_dir` (default ~/.cache/topq) and reused by later conversions.
+    `jobs` / `executor` choose where calibration tasks run and units compile (executors.py: one executor for
+    both); with `use_cache` built units are kept in `cache_dir` (default ~/.cache/topq) and reused by later
+    conversions.
     """
     started = time.perf_counter()
     phases = PhaseTimer()
-    prepared = prepare(recipe, dump_dir)
+    runner = make_executor(executor, jobs, ray_address)
+    try:
+        return _convert(recipe, dump_dir, progress, runner, (cache_dir or default_cache_dir()) if use_cache else None,
+                        started, phases)
+    finally:
+        runner.close()
+
+
+def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: TaskExecutor, cache_dir: Path | None,
+             started: float, phases: PhaseTimer) -> dict[str, Any]:
+    prepared = prepare(recipe, dump_dir, runner)
     phases.mark("prepare")
+    runner.refresh()  # workers forked during calibration predate the prepared program: units need fresh ones
     model, compiled = prepared.model, prepared.compiled
     stages = StageConfig.from_recipe(recipe.stages)
     meta = {
@@ -261,17 +322,19 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
     }
     output = Path(recipe.output.path)
     stats = BuildStats()
-    runner = make_executor(executor, jobs, ray_address)
+    # Workers that do not inherit this process (Ray) load the calibration result instead of recomputing it.
+    stored = None if runner.shares_memory else store_calibration(prepared, cache_dir)
     try:
-        manifest, tensors = bundle_tensors(prepared, runner, (cache_dir or default_cache_dir()) if use_cache else None,
-                                           progress, stats)
+        manifest, tensors = bundle_tensors(prepared, runner, cache_dir, progress, stats)
         runner.close()  # every unit is built; reaping the workers also counts their peak RSS in the phase report
         phases.mark("units")
         write_bundle(output, manifest, tqdm(tensors, total=len(manifest), desc="write bundle", unit="tensor",
                                             disable=not progress), meta)
         phases.mark("write")
     finally:
-        runner.close()
+        if stored is not None:
+            shutil.rmtree(stored, ignore_errors=True)
+            prepared.calibration_file = None
     return {
         "output": str(output),
         "target": recipe.target.chip,

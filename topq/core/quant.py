@@ -64,8 +64,19 @@ class QuantScheme:
 
     `compute_dtype` is the activation/compute dtype (f32, bf16, f16); `weight_bits` is None for float schemes.
     `quantize(weight, options)` returns a QuantizedWeight for one linear weight [N, K] (round-to-nearest schemes).
-    `calibrate(model, recipe)` (schemes that need data: GPTQ, AWQ, AutoRound, INT8) runs the float model on the
-    recipe's calibration data and returns {weight name: QuantizedWeight} plus anything it wants in the bundle.
+    `calibrate(model, recipe, *, executor)` (schemes that need data: GPTQ, AWQ, AutoRound, INT8) runs the float
+    model on the recipe's calibration data and returns {weight name: QuantizedWeight} plus anything it wants in the
+    bundle (a `topq.core.calibration.CalibrationResult`: `float_weights`, `report`, `state`). `executor` is the
+    conversion's `topq.core.executors.TaskExecutor`, for the per-sample work (`run_calibration` uses it); the
+    pipeline passes it only to a `calibrate` that declares an `executor` parameter (or **kwargs), so two-argument
+    calibrate functions keep working, in this process.
+
+    The result is computed once, in the converting process. Workers that do not inherit that process's memory
+    (Ray) load it from a file instead of calibrating again: the returned mapping's values, `float_weights`,
+    `report` and `state` (JSON-able) are stored, and `restore(model, recipe, result)`, if the scheme has one,
+    re-applies in the worker whatever else `calibrate` did to the model (int8 rewrites the program from the plan
+    in `state`). A scheme whose calibrate changes the model in other ways and has no `restore` cannot be
+    distributed exactly.
     """
 
     name: str
@@ -75,8 +86,9 @@ class QuantScheme:
     options: tuple[str, ...] = ()
     needs_calibration: bool = False
     quantize: Callable[[np.ndarray, Mapping[str, Any]], QuantizedWeight] | None = None
-    calibrate: Callable[[Any, Any], Mapping[str, QuantizedWeight]] | None = None
+    calibrate: Callable[..., Mapping[str, QuantizedWeight]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    restore: Callable[[Any, Any, Any], None] | None = None
 
     @property
     def is_float(self) -> bool:

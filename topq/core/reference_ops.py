@@ -511,7 +511,7 @@ def _matmul_int8(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.nda
 
     _arity("top.MatMulInt8", inputs, 3, 4)
     return [matmul_int8(inputs[0], inputs[1], inputs[2], float(attrs.get("act_scale", 0.0)),
-                        bool(attrs.get("dynamic", False)), _opt(inputs, 3))]
+                        bool(attrs.get("dynamic", False)), _opt(inputs, 3), float(attrs.get("out_scale", 0.0)))]
 
 
 REFERENCE_OPS: dict[str, Kernel] = {

@@ -172,6 +172,8 @@ def _matmul_int8(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
                          f"{list(w_scale.shape)}")
     if not attrs["dynamic"] and not attrs["act_scale"] > 0:
         raise InferError("MatMulInt8 needs act_scale > 0 unless dynamic")
+    if not attrs["out_scale"] >= 0:
+        raise InferError(f"MatMulInt8 out_scale must be >= 0 (0: float dequantization), got {attrs['out_scale']}")
     return _matmul([x, codes, *bias], {"right_transpose": True})
 
 
@@ -201,5 +203,10 @@ define("top.TopK", 1, results=2, attrs={"k": A("int"), "axis": A("int", -1), "la
        infer=_topk)
 # W8A8 linear (the `int8` scheme): x quantized per tensor (act_scale) or per row (dynamic), int8 codes [N, K] held
 # as integers in a float tensor, per-channel w_scale [N]; see topq/core/int8_math.py for the exact arithmetic.
-define("top.MatMulInt8", (3, 4), attrs={"act_scale": A("float", 0.0), "dynamic": A("bool", False)},
-       infer=_matmul_int8, doc="y = (q(x) codesᵀ) * (scale_x * w_scale) [+ bias]")
+# Static with out_scale > 0: the int32 accumulator (+ bias quantized to it) is requantized to int8 output codes by
+# a per-channel integer multiplier and right shift (r = act_scale · w_scale[n] / out_scale), y = code · out_scale.
+# dynamic or out_scale == 0: float dequantization (per-token scales are run-time values: no static multiplier).
+define("top.MatMulInt8", (3, 4), attrs={"act_scale": A("float", 0.0), "dynamic": A("bool", False),
+                                        "out_scale": A("float", 0.0)},
+       infer=_matmul_int8, doc="y = (q(x) codesᵀ) * (scale_x * w_scale) [+ bias], or requantized by M·2^-s to "
+                               "int8 codes times out_scale (static, out_scale > 0)")

@@ -13,6 +13,10 @@ Ops with a different shape from their Top counterpart:
 * `tpu.MatMulInt8(x, codes, w_scale[, bias])`: W8A8 linear. codes `[N, K]` i8, w_scale `[N]` in `dtype`; x is
   quantized to int8 in the kernel (static `act_scale`, or `dynamic`: per-row absmax / 127, the row-absmax reduction
   runs on the chip), the int32 accumulator is dequantized by the f32 per-channel scale act_scale · w_scale[n].
+  Static with `out_scale > 0` (the requantizing form): `tpu.MatMulInt8(x, codes, multiplier, rshift[, bias_q])`,
+  multiplier `[N]` i32 and rshift `[N]` i8 computed at compile time (r[n] = act_scale · w_scale[n] / out_scale ≈
+  multiplier[n] · 2^-rshift[n]), bias_q `[N]` i32 in the accumulator domain; the int32 accumulator is requantized
+  to int8 codes (`topq/core/int8_math.py` `requantize`) and the result is code · out_scale.
 * `tpu.FAttention(q, k, v[, mask][, history_k, history_v])`: with `history = S > 0` the keys are the S history rows
   followed by the new k; the history operands are the layer's KV-cache region itself (no concat copy).
 * `tpu.KVStore(x, positions)`: writes the new k or v rows into the layer's KV-cache region at row positions[0, 0]
@@ -93,11 +97,29 @@ def _a16matmul(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
 
 
 def _matmul_int8(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
-    x, w, scale, *bias = _tensors(types)
-    if w.rank != 2 or w.dtype != "i8" or scale.shape != w.shape[:1] or scale.dtype not in FLOAT_DTYPES:
-        raise InferError(f"MatMulInt8 wants i8 codes [N, K] and a float scale [N], got {w} and {scale}")
-    if x.shape[-1] != w.shape[1] or (bias and bias[0].shape != w.shape[:1]):
-        raise InferError(f"MatMulInt8: input {list(x.shape)} / bias do not fit codes {list(w.shape)}")
+    x, w, *rest = _tensors(types)
+    if w.rank != 2 or w.dtype != "i8":
+        raise InferError(f"MatMulInt8 wants i8 codes [N, K], got {w}")
+    n = w.shape[:1]
+    if not attrs["out_scale"] >= 0:
+        raise InferError(f"MatMulInt8 out_scale must be >= 0 (0: float dequantization), got {attrs['out_scale']}")
+    if not attrs["dynamic"] and attrs["out_scale"] > 0:  # requantizing form: multiplier, rshift[, bias_q]
+        if not 2 <= len(rest) <= 3 or not attrs["act_scale"] > 0:
+            raise InferError("static MatMulInt8 with out_scale takes x, codes, multiplier, rshift[, bias_q] and "
+                             f"act_scale > 0; got {len(types)} operands, act_scale {attrs['act_scale']}")
+        want = ("i32", "i8", "i32")
+        for what, t, dtype in zip(("multiplier", "rshift", "bias_q"), rest, want):
+            if t.shape != n or t.dtype != dtype:
+                raise InferError(f"MatMulInt8: {what} must be {dtype} {list(n)}, got {t}")
+    else:
+        if len(rest) > 2:
+            raise InferError(f"MatMulInt8 (float dequantization) takes x, codes, w_scale[, bias]; got {len(types)}")
+        if not rest or rest[0].shape != n or rest[0].dtype not in FLOAT_DTYPES:
+            raise InferError(f"MatMulInt8 wants a float scale {list(n)}, got {rest[0] if rest else 'none'}")
+        if len(rest) == 2 and rest[1].shape != n:
+            raise InferError(f"MatMulInt8: bias {list(rest[1].shape)} does not fit codes {list(w.shape)}")
+    if x.shape[-1] != w.shape[1]:
+        raise InferError(f"MatMulInt8: input {list(x.shape)} does not fit codes {list(w.shape)}")
     return [x.with_shape(x.shape[:-1] + w.shape[:1]).with_dtype(attrs.get("out_dtype") or attrs["dtype"])]
 
 
@@ -158,9 +180,10 @@ _tpu("Gather", 2, _typed(top._gather), {"axis": A("int", 0)})
 _tpu("RMSNorm", (1, 2), _typed(top._norm), {"eps": A("float", 1e-6)}, doc="f32 statistics")
 _tpu("LayerNorm", (1, 3), _typed(top._norm), {"eps": A("float", 1e-5)}, doc="f32 statistics")
 _tpu("MatMul", (2, 3), _typed(top._matmul), {"right_transpose": A("bool", False), "out_dtype": OUT_DTYPE})
-_tpu("MatMulInt8", (3, 4), _matmul_int8, {"act_scale": A("float", 0.0), "dynamic": A("bool", False),
-                                          "out_dtype": OUT_DTYPE},
-     doc="W8A8: x → int8 (static act_scale or per-row absmax/127), int8×int8 → int32, × f32 per-channel scale")
+_tpu("MatMulInt8", (3, 5), _matmul_int8, {"act_scale": A("float", 0.0), "dynamic": A("bool", False),
+                                          "out_scale": A("float", 0.0), "out_dtype": OUT_DTYPE},
+     doc="W8A8: x → int8 (static act_scale or per-row absmax/127), int8×int8 → int32, × f32 per-channel scale; "
+         "static with out_scale > 0: requantized by i32 multiplier and i8 rshift to int8 codes, × out_scale")
 _tpu("A16MatMul", (3, 5), _a16matmul, {**QUANT, "has_bias": A("bool", False), "out_dtype": OUT_DTYPE})
 _tpu("MLP", 4, _typed(top._mlp), {"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))},
      doc="gate/up/down matmuls; gate, up, act and act*up rounded to dtype; the activation in f32")

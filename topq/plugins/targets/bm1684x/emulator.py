@@ -9,7 +9,8 @@ reference kernels it reuses for the ops that compute in f32.
 
 Weights are decoded once per loaded bundle, on the first function that uses them, from the bytes in DDR:
 float weights to f32, W4/W8 weights unpacked and dequantized ((code - zp) * scale, rounded to the compute dtype),
-the MLP's gate and up stacked into one matrix. Later calls only run the GEMMs.
+the MLP's gate and up stacked into one matrix (W8A8 requant multipliers, shifts and int32 biases are read as
+stored integers). Later calls only run the GEMMs.
 
 KV cache: the runtime's Session owns float32 caches and passes `[1, S, KVH, D]` views of them as history
 inputs; the emulator keeps its own copy in the DDR KV regions. The program's `tpu.KVStore` writes each call's new
@@ -39,6 +40,7 @@ import numpy as np
 
 from topq.core.catalogue import CATALOGUE
 from topq.core.errors import TopqError
+from topq.core.int8_math import uses_requant
 from topq.core.ir import Block, Function, Module, Operation, Value
 from topq.core.parser import parse_module
 from topq.core.reference_ops import REFERENCE_OPS
@@ -564,6 +566,10 @@ class _Planner:
             kernel = KERNELS[op.name]
             readers = [self.reader(operands[0]), self._const(emu.quant_weight(operands[1:1 + per], attrs))]
             readers += [self.reader(v) for v in operands[1 + per:]]
+        elif op.name == "tpu.MatMulInt8" and uses_requant(bool(attrs.get("dynamic")), attrs.get("out_scale", 0.0)):
+            kernel = KERNELS[op.name]  # multiplier, rshift, bias_q: read as stored (an i32 multiplier is not an f32)
+            readers = [self.reader(operands[0]), self.reader(operands[1])]
+            readers += [self.reader(v, raw=True) for v in operands[2:]]
         elif op.name in ("tpu.MLP", "tpu.A16MLP"):
             kernel = KERNELS[op.name]
             readers = [self.reader(operands[0])] + [self._const(w) for w in self._mlp_weights(op, attrs)]

@@ -52,12 +52,27 @@ def matmul(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
 def matmul_int8(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     """tpu.MatMulInt8: x (dtype values) → int8 with the static scale or per-row absmax/127 (std::round, clamp ±127),
     int8 × int8 summed exactly (the chip's int32 accumulator; float64 is exact here), then int32 → f32 times the
-    f32 per-channel requant scale f32(scale_x) · w_scale[n] (one f32 multiply each, as the chip's dequant step)."""
-    from topq.core.int8_math import quantize_act, token_scales
+    f32 per-channel requant scale f32(scale_x) · w_scale[n] (one f32 multiply each, as the chip's dequant step).
 
-    x, codes, w_scale = args[0], args[1], args[2]
+    Static with out_scale > 0 (args x, codes, multiplier i32, rshift i8[, bias_q i32]): the accumulator plus bias_q
+    is requantized in int64 — clamp(RightShiftRound(acc · M[n], s[n], half up), -128, 127) — and the int8 code
+    converted to f32 times f32(out_scale) (`int8_math.requant_linear`, shared with the host kernel)."""
+    from topq.core.int8_math import (
+        quantize_act,
+        requant_linear,
+        token_scales,
+        uses_requant,
+    )
+
+    x, codes = args[0], args[1]
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    if uses_requant(bool(attrs.get("dynamic")), attrs.get("out_scale", 0.0)):
+        qx = quantize_act(x2, F32(attrs["act_scale"]))
+        bias_q = args[4] if len(args) > 4 else None
+        y = requant_linear(qx, codes, args[2], args[3], bias_q, attrs["out_scale"])
+        return [y.reshape(*lead, codes.shape[0])]
+    w_scale = args[2]
     sx = token_scales(x2) if attrs.get("dynamic") else np.full((x2.shape[0], 1), attrs["act_scale"], F32)
     acc = quantize_act(x2, sx).astype(np.float64) @ codes.astype(np.float64).T
     requant = sx * w_scale.astype(F32)[None, :]  # f32 product

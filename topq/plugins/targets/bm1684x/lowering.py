@@ -10,6 +10,10 @@ Choices (those of BM1684X's compiler for LLMs):
   memory, which is the point of the fused kernel and halves the emulator's DDR traffic for decode. A mixed MLP
   (some weights quantized, some not) is split into matmuls + activation + Mul;
 * the lm_head matmul writes f32 logits (sampling wants them; rounding logits to bf16 flips near-ties);
+* a static `top.MatMulInt8` with `out_scale > 0` becomes the requantizing `tpu.MatMulInt8(x, codes, multiplier,
+  rshift[, bias_q])`: the per-channel i32 multipliers, the i8 right shifts and the i32 bias are bundle tensors
+  computed here from act_scale, out_scale and the w_scale / bias weights (`int8_math.requant_params`,
+  `quantize_bias`), as TPU-MLIR's BM1684X MatMul LoweringINT8 does; w_scale itself is then not shipped;
 * `top.Concat(history, new)` feeding `top.FAttention` disappears: the attention reads the history straight from
   the layer's KV-cache region and `tpu.KVStore` writes the new rows into it (no copy of the cache per call).
 """
@@ -24,6 +28,7 @@ import numpy as np
 
 from topq.core.builder import Builder
 from topq.core.errors import TopqError
+from topq.core.int8_math import quantize_bias, requant_params, uses_requant
 from topq.core.ir import Block, Function, Module, Operation, Value
 from topq.core.quant import QuantSpec
 from topq.core.rewrite import Rewriter, apply_patterns
@@ -52,8 +57,11 @@ class TensorSource:
     """How codegen makes one bundle tensor: a float weight in `dtype`, or one part of a packed quantized weight."""
 
     source: str  # the checkpoint weight name
-    part: str  # "float", "weight", "scale" or "zp"
+    part: str  # "float", "weight", "scale", "zp", "int8" or (W8A8 requant) "multiplier", "rshift", "bias_q"
     type: TensorType
+    #: requant parts: (act_scale, out_scale) for multiplier / rshift (source: w_scale), (act_scale, w_scale name)
+    #: for bias_q (source: the float bias)
+    params: tuple[Any, ...] = ()
 
 
 def weight_source(value: Value) -> str | None:
@@ -85,6 +93,7 @@ class Lowering:
         self.sources: dict[str, TensorSource] = {}
         self._quant: dict[str, QuantSpec | None] = {}
         self._packed: dict[str, dict[str, np.ndarray]] = {}
+        self._requant: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # W8A8 (multiplier, rshift) being produced
         self._int8_codes: set[str] = set()  # top.Weight names holding int8 codes (operand 1 of top.MatMulInt8)
 
     # -- driver ----------------------------------------------------------------------------------------
@@ -168,6 +177,15 @@ class Lowering:
                 if codes.size and (np.abs(codes).max() > 127 or not np.array_equal(codes, np.round(codes))):
                     raise TopqError(f"{src.source}: int8 codes must be integers in [-127, 127]")
                 array = codes.astype(np.int8)
+            elif src.part in ("multiplier", "rshift"):
+                key = (src.source, src.params)
+                if key not in self._requant:  # one linear's pair at a time (they are adjacent in the manifest)
+                    act_scale, out_scale = src.params
+                    self._requant = {key: requant_params(act_scale, self.job.weights(src.source), out_scale)}
+                array = self._requant[key][0 if src.part == "multiplier" else 1]
+            elif src.part == "bias_q":
+                act_scale, scale_name = src.params
+                array = quantize_bias(self.job.weights(src.source), act_scale, self.job.weights(scale_name))
             else:
                 if src.source not in self._packed:
                     q = self.job.quantized(src.source)
@@ -228,8 +246,33 @@ class Lowering:
         return True
 
     def _matmul_int8(self, op: Operation, rw: Rewriter) -> bool:
-        new = rw.builder.create("tpu.MatMulInt8", op.operands, {**op.attrs, "dtype": self.dtype}, loc=op.loc)
-        rw.replace(op, new.results)
+        attrs = {**op.attrs, "dtype": self.dtype}
+        act_scale, out_scale = float(op.attrs.get("act_scale", 0.0)), float(op.attrs.get("out_scale", 0.0))
+        if not uses_requant(bool(op.attrs.get("dynamic", False)), out_scale):
+            new = rw.builder.create("tpu.MatMulInt8", op.operands, attrs, loc=op.loc)
+            rw.replace(op, new.results)
+            return True
+        # Static requantization: multipliers, shifts and the int32 bias are computed now, from the weights.
+        x, codes, w_scale, *bias = op.operands
+        scale_name, codes_name = weight_source(w_scale), weight_source(codes)
+        bias_name = weight_source(bias[0]) if bias else None
+        if scale_name is None or codes_name is None or (bias and bias_name is None):
+            raise TopqError(f"{op.loc or 'top.MatMulInt8'}: static int8 requantization needs its codes, w_scale and "
+                            f"bias as weights (the multipliers are computed at compile time)")
+        base = codes_name.removesuffix(".qweight")
+        n = (codes.shape[0],)
+        b = rw.builder
+        parts = [(f"{base}.multiplier", TensorSource(scale_name, "multiplier", TensorType(n, "i32"),
+                                                     (act_scale, out_scale))),
+                 (f"{base}.rshift", TensorSource(scale_name, "rshift", TensorType(n, "i8"), (act_scale, out_scale)))]
+        if bias_name is not None:
+            parts.append((f"{base}.bias_q", TensorSource(bias_name, "bias_q", TensorType(n, "i32"),
+                                                         (act_scale, scale_name))))
+        operands = [x, codes]
+        for name, src in parts:
+            self._record(name, src)
+            operands.append(b.op("tpu.Weight", result_types=[src.type], name=name))
+        rw.replace(op, [b.op("tpu.MatMulInt8", *operands, **attrs, loc=op.loc)])
         return True
 
     def _mlp(self, op: Operation, rw: Rewriter) -> bool:

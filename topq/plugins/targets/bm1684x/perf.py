@@ -49,9 +49,11 @@ class QuantMode:
     act_bytes: int  # bytes per activation / float weight element
     group_size: int = 64  # weights per scale (0 or -1: one per output channel)
     symmetric: bool = False
+    requant: bool = False  # W8A8 static: i32 multiplier + i8 rshift per channel instead of a bf16 scale
 
     SCALE_BYTES = 2  # bf16/f16 scale per group
     ZERO_BYTES = 1  # uint8 zero point per group (asymmetric only)
+    REQUANT_BYTES = 5  # int32 multiplier + int8 right shift per output channel (tpu.MatMulInt8, static)
 
     def weight_bytes(self, n: int, k: int) -> float:
         """Stored bytes of an [N, K] linear weight (K is the quantization-group axis)."""
@@ -59,7 +61,7 @@ class QuantMode:
             return float(n * k * self.act_bytes)
         group = k if self.group_size <= 0 else min(self.group_size, k)
         groups = n * math.ceil(k / group)
-        per_group = self.SCALE_BYTES + (0 if self.symmetric else self.ZERO_BYTES)
+        per_group = self.REQUANT_BYTES if self.requant else self.SCALE_BYTES + (0 if self.symmetric else self.ZERO_BYTES)
         return n * k * self.weight_bits / 8 + groups * per_group
 
     @property
@@ -86,16 +88,18 @@ _SCHEMES: dict[str, tuple[int | None, str, int]] = {
 }
 
 
-def quant_mode(name: str, group_size: int = 64, symmetric: bool = False, bits: int | None = None) -> QuantMode:
-    """The mode of a scheme name (`w4bf16`, `bf16`, `int8`, `gptq`, ...); `bits` overrides an algorithm's."""
+def quant_mode(name: str, group_size: int = 64, symmetric: bool = False, bits: int | None = None,
+               dynamic: bool = False) -> QuantMode:
+    """The mode of a scheme name (`w4bf16`, `bf16`, `int8`, `gptq`, ...); `bits` overrides an algorithm's.
+    `int8` is symmetric per channel; static (not `dynamic` tokens) it requantizes with i32 multipliers + i8 shifts."""
     try:
         weight_bits, compute, act_bytes = _SCHEMES[name]
     except KeyError:
         raise TopqError(f"perf model: unknown quant mode {name!r}; known: {', '.join(sorted(_SCHEMES))}") from None
     if bits is not None and weight_bits is not None:
         weight_bits = int(bits)
-    if name == "int8":
-        group_size = 0  # W8A8: one scale per output channel
+    if name == "int8":  # W8A8: one scale (dynamic) or multiplier + shift (static) per output channel
+        return QuantMode(name, weight_bits, compute, act_bytes, 0, True, requant=not dynamic)
     return QuantMode(name, weight_bits, compute, act_bytes, int(group_size), bool(symmetric))
 
 
@@ -630,7 +634,7 @@ def _bundle_program(bundle: Any, chip: ChipSpec) -> tuple[_Program, QuantMode, Q
     group_size = int(quant_opts.get("group_size", 64))
     symmetric = bool(quant_opts.get("symmetric", False))
     mode = quant_mode(str(meta.get("scheme", quant_opts.get("scheme", "bf16"))), group_size, symmetric,
-                      quant_opts.get("bits"))
+                      quant_opts.get("bits"), bool(quant_opts.get("dynamic_tokens", False)))
     head = quant_mode(str(quant_opts.get("lm_head", "bf16")), group_size, symmetric)
     from topq.core.plugins import get_plugins
 

@@ -34,7 +34,11 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "kl": ("int8 static KL", "int8", {"observer": "kl"}),
     "smooth": ("int8 static minmax + SmoothQuant a=0.5", "int8", {"observer": "minmax", "smooth_alpha": 0.5}),
     "dynamic": ("int8 per-token dynamic", "int8", {"dynamic_tokens": True}),
+    "smooth_dynamic": ("int8 per-token dynamic + SmoothQuant a=0.5", "int8", {"dynamic_tokens": True,
+                                                                            "smooth_alpha": 0.5}),
     "mixed": ("int8 minmax, mixed precision budget 1.05", "int8", {"observer": "minmax", "budget": 1.05}),
+    "smooth_mixed": ("int8 minmax + SmoothQuant a=0.5, mixed budget 1.05", "int8",
+                     {"observer": "minmax", "smooth_alpha": 0.5, "budget": 1.05}),
 }
 
 
@@ -48,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="perplexity budget of the mixed-precision rows on held-out calibration text (1.05)")
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for key in args.rows.split(","):
         label, scheme, quant = ROWS[key]
+        if "budget" in quant and args.budget is not None:
+            quant = {**quant, "budget": args.budget}
+            label = label.replace("budget 1.05", f"budget {args.budget}")
         path = out_dir / f"{key}.topq"
         table = out_dir / f"{key}.table.yaml"
         if table.exists():

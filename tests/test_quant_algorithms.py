@@ -236,6 +236,19 @@ def test_autoround_beats_rtn_on_its_objective(problem: Any, symmetric: bool) -> 
     np.testing.assert_array_equal(autoround(w, h, 4, 32, symmetric, iters=0).codes, rtn(w, 4, 32, symmetric).codes)
 
 
+def test_autoround_fixed_range_rows_tune_only_their_rounding(problem: Any) -> None:
+    """q/k rows (fixed_range) keep RTN's [min, max] range — the same scales and zero points — while their
+    rounding offsets still move; the other rows shrink their ranges as before."""
+    w, _, h = problem
+    fixed = np.arange(w.shape[0]) < 16
+    tuned = autoround(w, h, 4, 32, False, iters=60, fixed_range=fixed)
+    plain = rtn(w, 4, 32, False)
+    np.testing.assert_array_equal(tuned.scales[fixed], plain.scales[fixed])
+    np.testing.assert_array_equal(tuned.zeros[fixed], plain.zeros[fixed])
+    assert (tuned.codes[fixed] != plain.codes[fixed]).any()
+    assert not np.array_equal(tuned.scales[~fixed], plain.scales[~fixed])
+
+
 def test_solvers_are_deterministic(problem: Any) -> None:
     w, x, h = problem
     for solve in (lambda: gptq(w, h, 4, 32, False, act_order=True), lambda: autoround(w, h, 4, 32, False, iters=20),

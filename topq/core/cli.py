@@ -29,9 +29,10 @@ def cli() -> None:
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key (repeatable).")
 @click.option("--dump-ir", type=click.Path(file_okay=False), help="Write one .mlir per function and dialect here.")
-@click.option("--jobs", type=click.IntRange(min=1), help="Parallel compile workers (default: the core count).")
+@click.option("--jobs", type=click.IntRange(min=1),
+              help="Parallel workers for calibration and unit compilation (default: the core count).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="Where units compile: local processes or a Ray cluster.")
+              help="Where calibration tasks run and units compile: local processes or a Ray cluster.")
 @click.option("--ray-address", help="Ray cluster address (default: start a local Ray instance).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Build cache (default: $TOPQ_CACHE_DIR or "
               "~/.cache/topq).")

@@ -53,9 +53,16 @@ def format_description(info: dict[str, Any]) -> str:
     for f in info["functions"]:
         lines.append(f"{f['name']:<24} {f['ops']:>5}  ({', '.join(f['inputs'])}) -> ({', '.join(f['outputs'])})")
     if info["quant_report"]:
-        lines += ["", f"{'quantized linear':<48} {'output error':>12} {'RTN error':>12} {'ratio':>7}"]
+        lines += ["", f"{'quantized linear':<48} {'mode':>6} {'output error':>12} {'RTN error':>12} {'ratio':>7}"]
         for row in info["quant_report"]:
-            lines.append(f"{row['name']:<48} {row['error']:>12.3e} {row['rtn_error']:>12.3e} {row['ratio']:>7.3f}")
+            lines.append(f"{row['name']:<48} {row.get('mode', '-'):>6} {row['error']:>12.3e} "
+                         f"{_number(row.get('rtn_error'), '12.3e')} {_number(row.get('ratio'), '7.3f')}")
     for section in info.get("text_sections", []):
         lines += ["", section]
     return "\n".join(lines)
+
+
+def _number(value: float | None, fmt: str) -> str:
+    """A report cell: the formatted number, or "-" right-aligned when the scheme has no such column."""
+    width = int(fmt.split(".")[0])
+    return f"{value:{fmt}}" if value is not None else f"{'-':>{width}}"

@@ -23,6 +23,7 @@ recorded in the program's module attribute `topq.int8` (so in the bundle metadat
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from topq.core.types import TensorType
 
 OPTIONS = ("observer", "percentile", "smooth_alpha", "dynamic_tokens", "budget", "table", "calibration", "lm_head")
 TABLE_VERSION = 1
+OUT = ":out"  # observer key suffix of a linear's output (static requantization's out_scale)
 SCALE_DTYPE = "bf16"  # weight scales are stored (and multiplied) in the compute dtype
 _ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "silu": silu, "gelu": lambda x: gelu(x, "none"), "gelu_tanh": lambda x: gelu(x, "tanh")}
@@ -100,11 +102,14 @@ class Int8Plan:
     act_absmax: dict[str, float]
     smooth: dict[str, np.ndarray] = field(default_factory=dict)  # site key → s [K]
     info: dict[str, Any] = field(default_factory=dict)
+    out_scales: dict[str, float] = field(default_factory=dict)  # static: linear → output scale (requantization)
 
     def to_yaml(self) -> str:
         doc = {"version": TABLE_VERSION, "scheme": "int8", **self.info,
                "layers": {n: {"mode": self.modes[n], "act_scale": self.act_scales[n],
-                              "act_absmax": self.act_absmax[n]} for n in self.modes},
+                              "act_absmax": self.act_absmax[n],
+                              **({"out_scale": self.out_scales[n]} if n in self.out_scales else {})}
+                          for n in self.modes},
                "smooth": {k: [float(x) for x in v] for k, v in self.smooth.items()}}
         return yaml.safe_dump(doc, sort_keys=False, width=120)
 
@@ -122,7 +127,8 @@ class Int8Plan:
             info = {k: v for k, v in doc.items() if k not in ("version", "scheme", "layers", "smooth")}
             return cls(modes, {n: float(v["act_scale"]) for n, v in layers.items()},
                        {n: float(v.get("act_absmax", 0.0)) for n, v in layers.items()},
-                       {k: np.asarray(v, dtype=np.float32) for k, v in (doc.get("smooth") or {}).items()}, info)
+                       {k: np.asarray(v, dtype=np.float32) for k, v in (doc.get("smooth") or {}).items()}, info,
+                       {n: float(v["out_scale"]) for n, v in layers.items() if "out_scale" in v})
         except (yaml.YAMLError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TopqError(f"{source}: malformed int8 calibration table ({type(exc).__name__}: {exc})") from None
 
@@ -213,10 +219,25 @@ class _ObserveInterpreter(Interpreter):
             else:
                 x2 = inputs[0].reshape(-1, inputs[0].shape[-1])
                 act = _ACTS[str(step.attrs.get("act", "silu"))]
-                x = act(x2 @ inputs[1].T) * (x2 @ inputs[2].T)
+                gate, up = x2 @ inputs[1].T, x2 @ inputs[2].T
+                self._observe_output(step.op.operands[1], gate)
+                self._observe_output(step.op.operands[2], up)
+                x = act(gate) * up
             inv = self.inv_smooth.get(site.key)
             self.observers[site.key].add(x if inv is None else x * inv)
-        return step.kernel(inputs, step.attrs)
+        results = step.kernel(inputs, step.attrs)
+        if step.op.name == "top.MatMul":
+            self._observe_output(step.op.operands[1], results[0])
+        elif step.op.name == "top.MLP":
+            self._observe_output(step.op.operands[3], results[0])
+        return results
+
+    def _observe_output(self, weight: Value, y: np.ndarray) -> None:
+        """Static requantization needs each linear's output range: observers keyed `<weight>:out`, when asked."""
+        name = _weight_name(weight)
+        observer = self.observers.get(f"{name}{OUT}") if name is not None else None
+        if observer is not None:
+            observer.add(y)
 
 
 @dataclass
@@ -226,6 +247,7 @@ class _CalibModel:
     at_op: dict[int, list[Site]]
     weights: Callable[[str], np.ndarray]
     seq_len: int
+    source: dict[str, Any] = field(default_factory=dict)  # JSON-able: how a worker sharing no memory rebuilds it
 
 
 def _calib_model(model: Any, seq_len: int, linears: frozenset[str]) -> _CalibModel:
@@ -240,23 +262,110 @@ def _calib_model(model: Any, seq_len: int, linears: frozenset[str]) -> _CalibMod
         s, a = find_sites(module[f"block_{i}"], linears)
         sites += s
         at_op.update(a)
-    return _CalibModel(module, sites, at_op, lambda n: rope[n] if n in rope else store.get(n), seq_len)
+    source = {"checkpoint": str(model.checkpoint.path), "format": model.checkpoint.format, "family": family.name,
+              "seq_len": int(seq_len), "linears": sorted(linears)}
+    return _CalibModel(module, sites, at_op, lambda n: rope[n] if n in rope else store.get(n), seq_len, source)
 
 
-def _run_float(cm: _CalibModel, interp: Interpreter, windows: np.ndarray, num_layers: int, desc: str) -> None:
-    positions = np.arange(cm.seq_len, dtype=np.int32)[None]
-    for w in tqdm(windows, desc=desc, unit="sample", disable=len(windows) < 2):
+@dataclass
+class _ObserveJob:
+    """What `_observe_task` needs: the float model — the parent's interpreter where tasks share its memory, else
+    how to rebuild it (`_CalibModel.source`: the checkpoint is read by path, as Ray unit workers do) — and, per
+    site, the configuration of the fresh observers a task fills (kind, percentile, bins, histogram range)."""
+
+    interp: _ObserveInterpreter | None
+    source: dict[str, Any] | None
+    num_layers: int
+    observers: dict[str, tuple[str, float, int, float]]
+    inv_smooth: Mapping[str, np.ndarray]
+
+
+_SOURCE_INTERP: dict[str, _ObserveInterpreter] = {}  # a worker's float model, by source (its weights stay loaded)
+
+
+def _source_interp(source: dict[str, Any]) -> _ObserveInterpreter:
+    import json
+
+    key = json.dumps(source, sort_keys=True)
+    interp = _SOURCE_INTERP.get(key)
+    if interp is None:
+        from types import SimpleNamespace
+
+        from topq.core.pipeline import open_checkpoint
+        from topq.core.plugins import get_plugins
+
+        plugins = get_plugins()
+        checkpoint = open_checkpoint(plugins, source["checkpoint"], source["format"])
+        family = plugins.families.get(source["family"])
+        model = SimpleNamespace(checkpoint=checkpoint, family=family, spec=family.normalize(checkpoint.config))
+        cm = _calib_model(model, int(source["seq_len"]), frozenset(source["linears"]))
+        _SOURCE_INTERP.clear()  # one model at a time
+        interp = _SOURCE_INTERP[key] = _ObserveInterpreter(cm.module, cm.weights, cm.at_op, {}, {})
+    return interp
+
+
+def _observe_task(job_handle: Any, windows: np.ndarray) -> dict[str, Observer]:
+    """An observation task: run the float model on `windows`; return each site's observer of just these windows."""
+    from topq.core.executors import resolve
+
+    job: _ObserveJob = resolve(job_handle)
+    interp = job.interp if job.interp is not None else _source_interp(job.source)  # type: ignore[arg-type]
+    observers = {key: Observer(kind, percentile, bins, range_max=top or None)
+                 for key, (kind, percentile, bins, top) in job.observers.items()}
+    interp.observers, interp.inv_smooth = observers, job.inv_smooth
+    positions = np.arange(int(windows.shape[1]), dtype=np.int32)[None]
+    for w in windows:
         h = interp.run("embedding", [w[None].astype(np.int32)])[0]
-        for i in range(num_layers):
+        for i in range(job.num_layers):
             h = interp.run(f"block_{i}", [h, positions])[0]
+    return observers
 
 
-def calibrate_plan(model: Any, windows: np.ndarray, linears: frozenset[str], opts: Int8Options) -> tuple[Int8Plan, _CalibModel]:
+def _run_float(cm: _CalibModel, interp: _ObserveInterpreter, windows: np.ndarray, num_layers: int, desc: str,
+               executor: Any = None) -> None:
+    """Run the float model on every window and feed `interp`'s observers. The windows are split into tasks on
+    `executor` (default: this process); each returns partial observers, merged here (maxima and integer counts:
+    the same result whatever ran the tasks and however the windows were split)."""
+    from topq.core.executors import InlineExecutor
+
+    executor = executor if executor is not None else InlineExecutor()
+    targets = interp.observers
+    configs = {key: (o.kind, o.percentile, o.bins, o.range) for key, o in targets.items()}
+    if executor.shares_memory:
+        for name in ("embedding", *(f"block_{i}" for i in range(num_layers))):
+            interp.plan(cm.module[name])  # load the weights once here: forked workers share them (copy-on-write)
+        job = _ObserveJob(interp, None, num_layers, configs, interp.inv_smooth)
+    else:
+        job = _ObserveJob(None, cm.source, num_layers, configs, interp.inv_smooth)
+    inline = isinstance(executor, InlineExecutor)
+    chunk = 1 if inline else max(1, math.ceil(len(windows) / (4 * max(1, int(executor.jobs)))))
+    starts = range(0, len(windows), chunk)
+    inv_smooth = interp.inv_smooth
+    handle = executor.share(job)
+    bar = tqdm(total=len(windows), desc=desc, unit="sample", disable=len(windows) < 2)
+    try:
+        tasks = [(handle, np.ascontiguousarray(windows[a:a + chunk])) for a in starts]
+        for a, partial in zip(starts, executor.map(_observe_task, tasks)):
+            for key, observer in partial.items():
+                targets[key].merge(observer)
+            bar.update(min(chunk, len(windows) - a))
+    finally:
+        bar.close()
+        executor.release(handle)
+        interp.observers, interp.inv_smooth = targets, inv_smooth
+
+
+def calibrate_plan(model: Any, windows: np.ndarray, linears: frozenset[str], opts: Int8Options,
+                   executor: Any = None) -> tuple[Int8Plan, _CalibModel]:
     """Observe the float model on `windows` and compute scales and smoothing factors for every site."""
     cm = _calib_model(model, windows.shape[1], linears)
     first = {site.key: Observer("minmax") for site in cm.sites}
-    _run_float(cm, _ObserveInterpreter(cm.module, cm.weights, cm.at_op, first, {}), windows,
-               model.spec.num_layers, "int8 observe")
+    outputs = [] if opts.dynamic else [f"{n}{OUT}" for site in cm.sites for n in site.names]
+    first.update({key: Observer("minmax") for key in outputs})
+    observed = not opts.dynamic or opts.smooth_alpha is not None  # per-token scales alone need no statistics
+    if observed:
+        _run_float(cm, _ObserveInterpreter(cm.module, cm.weights, cm.at_op, first, {}), windows,
+                   model.spec.num_layers, "int8 observe", executor)
     smooth: dict[str, np.ndarray] = {}
     if opts.smooth_alpha is not None:
         # down sites first: their factor rescales up's rows, which the gate/up site's weight maxima then see
@@ -265,7 +374,7 @@ def calibrate_plan(model: Any, windows: np.ndarray, linears: frozenset[str], opt
                            axis=0)
             smooth[site.key] = smooth_factors(first[site.key].channel_absmax, w_max, opts.smooth_alpha)  # type: ignore[arg-type]
     observers = first
-    if opts.observer != "minmax":
+    if opts.observer != "minmax" and not opts.dynamic:
         inv = {k: (1.0 / v).astype(np.float32) for k, v in smooth.items()}
         observers = {}
         for site in cm.sites:
@@ -273,8 +382,10 @@ def calibrate_plan(model: Any, windows: np.ndarray, linears: frozenset[str], opt
             assert ch is not None
             top = float((ch * inv[site.key]).max()) if site.key in inv else first[site.key].absmax
             observers[site.key] = Observer(opts.observer, opts.percentile, range_max=top or None)
+        for key in outputs:
+            observers[key] = Observer(opts.observer, opts.percentile, range_max=first[key].absmax or None)
         _run_float(cm, _ObserveInterpreter(cm.module, cm.weights, cm.at_op, observers, inv), windows,
-                   model.spec.num_layers, f"int8 {opts.observer} histograms")
+                   model.spec.num_layers, f"int8 {opts.observer} histograms", executor)
     modes, scales, absmax = {}, {}, {}
     for site in cm.sites:
         obs = observers[site.key]
@@ -282,16 +393,23 @@ def calibrate_plan(model: Any, windows: np.ndarray, linears: frozenset[str], opt
             ch = obs.channel_absmax
             assert ch is not None
             top = float((ch / smooth[site.key]).max())
+        elif not observed:
+            top = 0.0  # dynamic: the scale is each token's own; nothing static to record
         else:
-            top = obs.threshold() if opts.observer != "minmax" else obs.absmax
-        top = top if top > 0 else 1.0
+            top = obs.threshold() if opts.observer != "minmax" and not opts.dynamic else obs.absmax
+        top = top if top > 0 or not observed else 1.0
         for n in site.names:
             modes[n] = "int8"
             scales[n] = float(np.float32(top) / np.float32(QMAX))
             absmax[n] = float(top)
+    out_scales = {}
+    for key in outputs:  # static: every int8 linear requantizes its int32 sums to int8 with this output scale
+        obs = observers[key]
+        top = obs.threshold() if opts.observer != "minmax" else obs.absmax
+        out_scales[key[: -len(OUT)]] = float(np.float32(top if top > 0 else 1.0) / np.float32(QMAX))
     info = {"observer": opts.observer, "percentile": opts.percentile, "smooth_alpha": opts.smooth_alpha,
             "dynamic_tokens": opts.dynamic, "samples": int(windows.shape[0]), "seq_len": int(windows.shape[1])}
-    return Int8Plan(modes, scales, absmax, smooth, info), cm
+    return Int8Plan(modes, scales, absmax, smooth, info, out_scales), cm
 
 
 def smooth_factors(x_max: np.ndarray, w_max: np.ndarray, alpha: float) -> np.ndarray:
@@ -378,7 +496,8 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
             codes = b.op("top.Weight", result_types=[f32(n, k)], name=f"{name}.qweight")
             scale = b.op("top.Weight", result_types=[f32(n)], name=f"{name}.wscale")
             return b.op("top.MatMulInt8", x, codes, scale, *bias, loc=loc, dynamic=dynamic,
-                        act_scale=0.0 if dynamic else plan.act_scales[name])
+                        act_scale=0.0 if dynamic else plan.act_scales[name],
+                        out_scale=0.0 if dynamic else plan.out_scales.get(name, 0.0))
         if _smoothed(name, plan, sites):
             w = b.op("top.Weight", result_types=[f32(n, k)], name=f"{name}.smoothed")
         return b.op("top.MatMul", x, w, *bias, right_transpose=True, loc=loc)
@@ -419,6 +538,9 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
         "act_scales": {n: plan.act_scales[n] for n in plan.modes},
         **{k: v for k, v in plan.info.items() if k in ("observer", "percentile", "smooth_alpha") and v is not None},
     }
+    search = plan.info.get("mixed_precision")
+    if search:  # the search's outcome, without its per-linear sensitivities (those are in the table file)
+        module.attrs["topq.int8"]["mixed_precision"] = {k: v for k, v in search.items() if k != "sensitivity"}
 
 
 # ============================================================================ mixed precision
@@ -443,9 +565,20 @@ class _MixedInterpreter(Interpreter):
         return step.kernel(inputs, step.attrs)
 
 
+SENSITIVITY_WINDOWS = 2  # held-out windows the per-linear sensitivity pass runs on (the cut is checked on all)
+
+
 def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
                     dynamic: bool) -> dict[str, Any]:
-    """Greedy search: switch linears to bf16 by decreasing perplexity damage until ppl ≤ budget × bf16 ppl."""
+    """Keep the most damaging linears in bf16 until held-out perplexity ≤ budget × the all-bf16 model's.
+
+    1. sensitivity: each linear alone in int8 (everything else bf16), perplexity on the first
+       `SENSITIVITY_WINDOWS` held-out windows; the bf16 hidden states in front of every layer are computed once,
+       so linear n of layer L only re-runs layers L… (half the model on average);
+    2. the cut: linears sorted by damage, the smallest prefix kept in bf16 that meets the budget on all held-out
+       windows, found by bisection (perplexity falls as more linears stay bf16) — ~log2(N) full evaluations
+       instead of N.
+    """
     module = cm.module
     rewrite_program(module, plan, cm.sites, dynamic)
     spec, family = model.spec, model.family
@@ -464,42 +597,142 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     head = host(family.global_weights["embed" if spec.tie_word_embeddings else "lm_head"])
     norm = host(family.global_weights["final_norm"])
     positions = np.arange(cm.seq_len, dtype=np.int32)[None]
-
-    def ppl(bf16: set[str]) -> float:
-        interp.bf16 = bf16
-        total, count = 0.0, 0
-        for w in held_out:
-            h = interp.run("embedding", [w[None].astype(np.int32)])[0]
-            for i in range(spec.num_layers):
-                h = interp.run(f"block_{i}", [h, positions])[0]
-            h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
-            logits = (h[0, :-1] @ head.T).astype(np.float64)
-            logits -= logits.max(axis=-1, keepdims=True)
-            lp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-            total -= float(lp[np.arange(len(w) - 1), w[1:]].sum())
-            count += len(w) - 1
-        return math.exp(total / count)
-
     names = list(plan.modes)
+    layer_of = _layers_of(module, spec.num_layers)
+
+    def embed(w: np.ndarray) -> np.ndarray:
+        return interp.run("embedding", [w[None].astype(np.int32)])[0]
+
+    def nll(h: np.ndarray, w: np.ndarray, first_layer: int = 0) -> float:
+        for i in range(first_layer, spec.num_layers):
+            h = interp.run(f"block_{i}", [h, positions])[0]
+        h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
+        logits = (h[0, :-1] @ head.T).astype(np.float64)
+        logits -= logits.max(axis=-1, keepdims=True)
+        lp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+        return -float(lp[np.arange(len(w) - 1), w[1:]].sum())
+
+    def ppl(bf16: set[str], windows: np.ndarray = held_out) -> float:
+        interp.bf16 = bf16
+        total = sum(nll(embed(w), w) for w in windows)
+        return math.exp(total / (len(windows) * (windows.shape[1] - 1)))
+
     reference = ppl(set(names))
     limit = budget * reference
     current = ppl(set())
-    chosen: list[str] = []
     report: dict[str, Any] = {"bf16_ppl": reference, "int8_ppl": current, "budget": budget}
+    chosen: list[str] = []
     if current > limit:
-        damage = {n: current - ppl({n}) for n in tqdm(names, desc="int8 sensitivity", unit="linear")}
-        bar = tqdm(sorted(names, key=lambda n: -damage[n]), desc="int8 mixed precision", unit="linear")
-        for n in bar:
-            chosen.append(n)
-            current = ppl(set(chosen))
-            bar.set_postfix_str(f"ppl {current:.3f} / {limit:.3f}")
-            if current <= limit:
-                break
+        probe = held_out[:SENSITIVITY_WINDOWS]
+        interp.bf16 = set(names)
+        prefixes = []  # per probe window: the bf16 model's hidden state in front of every layer
+        for w in probe:
+            h, states = embed(w), []
+            for i in range(spec.num_layers):
+                states.append(h)
+                h = interp.run(f"block_{i}", [h, positions])[0]
+            prefixes.append(states)
+        tokens = len(probe) * (probe.shape[1] - 1)
+        damage = {}
+        for n in tqdm(names, desc="int8 sensitivity", unit="linear"):
+            interp.bf16 = set(names) - {n}
+            layer = layer_of[n]
+            damage[n] = sum(nll(states[layer], w, layer) for states, w in zip(prefixes, probe)) / tokens
+        order = sorted(names, key=lambda n: -damage[n])
+        lo, hi = 0, len(order)  # invariant: keeping order[:hi] in bf16 meets the budget (all bf16 does)
+        results = {hi: reference, 0: current}
+        bar = tqdm(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision", unit="eval")
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            results[mid] = ppl(set(order[:mid]))
+            bar.set_postfix_str(f"{mid} bf16: ppl {results[mid]:.3f} / {limit:.3f}")
+            bar.update()
+            lo, hi = (lo, mid) if results[mid] <= limit else (mid, hi)
         bar.close()
+        chosen, current = order[:hi], results[hi]
+        report["sensitivity"] = {n: round(damage[n], 6) for n in order}  # mean NLL with only n in int8
     for n in chosen:
         plan.modes[n] = "bf16"
-    report.update(final_ppl=current, bf16_linears=len(chosen))
+    int8_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names if plan.modes[n] == "int8")
+    all_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names)
+    report.update(final_ppl=current, bf16_linears=len(chosen),
+                  int8_weight_fraction=round(int8_params / all_params, 4) if all_params else 0.0)
     return report
+
+
+def _layers_of(module: Module, num_layers: int) -> dict[str, int]:
+    """The decoder layer (block function) each weight is read in."""
+    return {str(op.attrs["name"]): i for i in range(num_layers) for op in module[f"block_{i}"].ops
+            if op.name == "top.Weight"}
+
+
+# ============================================================================ the error report
+
+REPORT_WINDOWS = 4  # calibration windows the per-linear error report runs on
+
+
+class _ErrorInterpreter(Interpreter):
+    """The float model, measuring at every planned linear what its int8 (or bf16) form makes of the same input."""
+
+    def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
+                 quantized: Callable[[str, np.ndarray], np.ndarray]) -> None:
+        super().__init__(module, weights)
+        self.at_op, self.quantized = at_op, quantized
+        self.sums: dict[str, list[float]] = {}  # name → [||Y - Ŷ||², ||Y||²]
+
+    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        for site in self.at_op.get(id(step.op), ()):
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])
+            if site.kind == "mlp_hidden":
+                x = _ACTS[str(step.attrs.get("act", "silu"))](x @ inputs[1].T) * (x @ inputs[2].T)
+            for name in site.names:  # a site is seen once, at its first linear: the others read the same input
+                y = x.astype(np.float64) @ np.asarray(self.weights(name), np.float64).T
+                d = y - self.quantized(name, x)
+                sums = self.sums.setdefault(name, [0.0, 0.0])  # type: ignore[arg-type]
+                sums[0] += float(np.sum(d * d))
+                sums[1] += float(np.sum(y * y))
+        return step.kernel(inputs, step.attrs)
+
+
+def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: np.ndarray,
+                 dynamic: bool) -> list[dict[str, Any]]:
+    """Per linear, the relative Frobenius error ||XWᵀ − f(X)||/||XWᵀ|| of its planned form f (int8 with the plan's
+    scales and smoothing, or bf16) against the float linear, X = the float model's inputs on the first
+    `REPORT_WINDOWS` calibration windows."""
+    windows = windows[:REPORT_WINDOWS]
+    cm = _calib_model(model, windows.shape[1], linears)
+    store = model.checkpoint.weights
+    codes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def quantized(name: str, x: np.ndarray) -> np.ndarray:
+        site = next(s for s in cm.sites if name in s.names)
+        s = plan.smooth.get(site.key)
+        x_s = x if s is None else x / s
+        w_eff = _effective(store.get, name, plan.smooth, cm.sites)
+        if plan.modes[name] == "bf16":
+            return x_s.astype(np.float64) @ round_to_dtype(w_eff, SCALE_DTYPE).astype(np.float64).T
+        if name not in codes:
+            q, scale = quantize_weight(w_eff, SCALE_DTYPE)
+            codes[name] = (q.astype(np.float32), scale)
+        q, scale = codes[name]
+        attrs = {"act_scale": 0.0 if dynamic else plan.act_scales[name], "dynamic": dynamic}
+        if not dynamic and plan.out_scales.get(name):
+            attrs["out_scale"] = plan.out_scales[name]
+        return REFERENCE_OPS["top.MatMulInt8"]([x_s, q, scale], attrs)[0].astype(np.float64)
+
+    interp = _ErrorInterpreter(cm.module, cm.weights, cm.at_op, quantized)
+    positions = np.arange(cm.seq_len, dtype=np.int32)[None]
+    for w in tqdm(windows, desc="int8 error report", unit="sample", disable=len(windows) < 2):
+        h = interp.run("embedding", [w[None].astype(np.int32)])[0]
+        for i in range(model.spec.num_layers):
+            h = interp.run(f"block_{i}", [h, positions])[0]
+    return [{"name": n, "mode": plan.modes[n], "error": math.sqrt(e / r) if r > 0 else 0.0}
+            for n, (e, r) in sorted(interp.sums.items(), key=lambda kv: _natural(kv[0]))]
+
+
+def _natural(name: str) -> list[Any]:
+    """Sort key: layer 2 before layer 10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 # ============================================================================ the scheme
@@ -513,12 +746,13 @@ def _linear_names(model: Any) -> frozenset[str]:
     return frozenset(n for n in linear_weight_names(model.module) if n != head)
 
 
-def calibrate(model: Any, recipe: Any) -> dict[str, Any]:
-    from topq.core.calibration import calibration_windows
+def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any]:
+    from topq.core.calibration import CalibrationResult, calibration_windows
 
     opts = Int8Options.from_recipe(recipe)
     linears = _linear_names(model)
     table = Path(opts.table) if opts.table else None
+    windows: np.ndarray | None = None  # none when the table is reused: no calibration data is read
     if table is not None and table.exists():
         plan = Int8Plan.from_yaml(table.read_text(), str(table))
         seq_len = int(plan.info.get("seq_len", 16))
@@ -526,6 +760,10 @@ def calibrate(model: Any, recipe: Any) -> dict[str, Any]:
         missing = sorted(linears - set(plan.modes))
         if missing:
             raise TopqError(f"{table}: no entry for linear {missing[0]} (the table is for another model?)")
+        unscaled = [n for n, m in plan.modes.items() if m == "int8" and plan.act_scales[n] <= 0]
+        if unscaled and not opts.dynamic:
+            raise TopqError(f"{table}: {unscaled[0]} has no static activation scale (the table was made with "
+                            f"dynamic_tokens: true); delete it to calibrate again")
     else:
         windows = calibration_windows(model, recipe)
         held_out = windows[:0]
@@ -534,16 +772,36 @@ def calibrate(model: Any, recipe: Any) -> dict[str, Any]:
                 raise TopqError("quant.budget needs at least 2 calibration samples (some are held out for perplexity)")
             cut = len(windows) - max(1, len(windows) // 4)
             windows, held_out = windows[:cut], windows[cut:]
-        plan, cm = calibrate_plan(model, windows, linears, opts)
+        plan, cm = calibrate_plan(model, windows, linears, opts, executor)
         if opts.budget is not None:
             install_weights(model, plan, cm.sites)
             plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic)
         if table is not None:
-            table.parent.mkdir(parents=True, exist_ok=True)
-            table.write_text(plan.to_yaml())
+            _write_atomic(table, plan.to_yaml())
+    result = CalibrationResult()
+    result.state["int8_table"] = plan.to_yaml()  # what `restore` rebuilds the model from (workers that load this)
+    if windows is not None:
+        result.report = error_report(model, plan, linears, windows, opts.dynamic)
     install_weights(model, plan, cm.sites)
     rewrite_program(model.module, plan, cm.sites, opts.dynamic)
-    return {}
+    return result
+
+
+def restore(model: Any, recipe: Any, result: Any) -> None:
+    """Redo `calibrate`'s changes to the model (weights, program) from its stored result, without calibrating
+    (a worker that does not share the converting process's memory)."""
+    opts = Int8Options.from_recipe(recipe)
+    plan = Int8Plan.from_yaml(result.state["int8_table"], "stored int8 calibration")
+    cm = _calib_model(model, int(plan.info.get("seq_len", 16)), _linear_names(model))
+    install_weights(model, plan, cm.sites)
+    rewrite_program(model.module, plan, cm.sites, opts.dynamic)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 SCHEME = QuantScheme(
@@ -554,6 +812,7 @@ SCHEME = QuantScheme(
     options=OPTIONS,
     needs_calibration=True,
     calibrate=calibrate,
+    restore=restore,
 )
 
 

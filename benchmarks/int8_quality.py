@@ -111,11 +111,41 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         note = f" ({r['bf16_linears']}/{r['linears']} linears bf16)" if "bf16_linears" in r else ""
         print(f"| {r['row'] + note:44s} | {r['perplexity']:10.3f} | {r['seconds']:9.1f} |")
+    clipping = clipping_table(out_dir)
+    if clipping:
+        print("\nclipping thresholds T / absmax (static observers vs minmax, per linear kind: median, min)")
+        for line in clipping:
+            print(line)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                         indent=2) + "\n")
     tmp.cleanup()
     return 0
+
+
+def clipping_table(out_dir: Path) -> list[str]:
+    """How far percentile / KL clip below the observed maximum: their input and output thresholds over minmax's,
+    from the calibration tables of rows that ran in this invocation."""
+    import numpy as np
+    import yaml
+
+    def load(key: str) -> dict[str, Any] | None:
+        path = out_dir / f"{key}.table.yaml"
+        return yaml.safe_load(path.read_text())["layers"] if path.exists() else None
+
+    reference = load("minmax")
+    lines = []
+    for key in ("percentile", "kl"):
+        table = load(key)
+        if reference is None or table is None:
+            continue
+        for kind in ("q_proj", "o_proj", "gate_proj", "down_proj"):
+            names = [n for n in table if f".{kind}." in n]
+            t_in = np.array([table[n]["act_scale"] / reference[n]["act_scale"] for n in names])
+            t_out = np.array([table[n]["out_scale"] / reference[n]["out_scale"] for n in names])
+            lines.append(f"{key:10s} {kind:9s} input {np.median(t_in):.4f} {t_in.min():.4f}   "
+                         f"output {np.median(t_out):.4f} {t_out.min():.4f}")
+    return lines
 
 
 if __name__ == "__main__":

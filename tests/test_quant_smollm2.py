@@ -62,7 +62,8 @@ W4 = {"bits": 4, "group_size": 64, "symmetric": False}
 def test_w8_per_channel_is_within_one_percent_of_float(smol_ppl: Any) -> None:
     float_ppl, _ = smol_ppl("float", "f32")
     w8, _ = smol_ppl("w8", "w8bf16", group_size=0, symmetric=True)
-    assert float_ppl < w8 <= 1.01 * float_ppl, (float_ppl, w8)
+    # 8-bit noise can move perplexity either way on 1k tokens; what matters is that it stays within 1 %
+    assert abs(w8 / float_ppl - 1) <= 0.01 and w8 != float_ppl, (float_ppl, w8)
 
 
 def test_gptq_awq_autoround_beat_rtn_at_4_bits(smol_ppl: Any) -> None:

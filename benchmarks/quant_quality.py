@@ -62,8 +62,8 @@ def rows(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
     return [table[keys[w]] for w in keys if w in wanted]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """The issue's quality setting, shared with benchmarks/int8_quality.py: model, calibration and evaluation."""
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--calibration", type=Path, default=DATA / "00_EMMA.txt")
     parser.add_argument("--eval-text", type=Path, default=DATA / "03_Persuasion.txt")
@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--window", type=int, default=512)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_setting_arguments(parser)
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--iters", type=int, default=200, help="AutoRound steps")

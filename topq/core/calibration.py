@@ -49,7 +49,7 @@ from topq.core.quant_math import (
     quantize_groups,
     resolve_group_size,
 )
-from topq.core.reference_ops import gelu, silu
+from topq.core.reference_ops import mlp_activation
 from topq.core.safetensors_io import SafetensorsFile, write_safetensors
 from topq.core.stages import StageConfig, build_program, rope_weights
 
@@ -564,8 +564,6 @@ class _StopLayer(Exception):
     """Raised by the capture hook once the wanted input is seen: the rest of the layer is not needed."""
 
 
-_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "silu": silu, "gelu": lambda x: gelu(x, "none"), "gelu_tanh": lambda x: gelu(x, "tanh")}
 
 
 class _CaptureInterpreter(Interpreter):
@@ -602,9 +600,8 @@ class _CaptureInterpreter(Interpreter):
                 self.stats.add(inputs[0])
             else:
                 x, wg, wu = inputs[0], inputs[1], inputs[2]
-                act = _ACTS[str(step.attrs.get("act", "silu"))]
                 x2 = x.reshape(-1, x.shape[-1])
-                self.stats.add(act(x2 @ wg.T) * (x2 @ wu.T))
+                self.stats.add(mlp_activation(str(step.attrs.get("act", "silu")), x2 @ wg.T) * (x2 @ wu.T))
             raise _StopLayer
         return step.kernel(inputs, step.attrs)
 

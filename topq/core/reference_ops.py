@@ -180,7 +180,8 @@ def gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
     return y.astype(np.float32)
 
 
-def _activation(name: str, x: np.ndarray) -> np.ndarray:
+def mlp_activation(name: str, x: np.ndarray) -> np.ndarray:
+    """The activation `top.MLP` applies to the gate projection (its `act` attribute)."""
     if name == "silu":
         return silu(x)
     if name == "gelu":
@@ -465,7 +466,7 @@ def _mlp(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
             f"{op}: want w_gate/w_up [I, {hidden}] and w_down [{hidden}, I]; "
             f"got {wg.shape}, {wu.shape}, {wd.shape}"
         )
-    act = _activation(str(attrs.get("act", "silu")), _linear(x, wg, True))
+    act = mlp_activation(str(attrs.get("act", "silu")), _linear(x, wg, True))
     act *= _linear(x, wu, True)
     return [_linear(act, wd, True)]
 

@@ -40,7 +40,7 @@ from topq.core.interpreter import Interpreter, Step
 from topq.core.ir import Function, Module, Operation, Value
 from topq.core.observers import Observer
 from topq.core.quant import QuantScheme, round_to_dtype
-from topq.core.reference_ops import REFERENCE_OPS, gelu, silu
+from topq.core.reference_ops import REFERENCE_OPS, mlp_activation
 from topq.core.rewrite import Rewriter, apply_patterns
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.core.types import TensorType
@@ -49,8 +49,6 @@ OPTIONS = ("observer", "percentile", "smooth_alpha", "dynamic_tokens", "budget",
 TABLE_VERSION = 1
 OUT = ":out"  # observer key suffix of a linear's output (static requantization's out_scale)
 SCALE_DTYPE = "bf16"  # weight scales are stored (and multiplied) in the compute dtype
-_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "silu": silu, "gelu": lambda x: gelu(x, "none"), "gelu_tanh": lambda x: gelu(x, "tanh")}
 
 
 # ============================================================================ options and the plan
@@ -218,11 +216,10 @@ class _ObserveInterpreter(Interpreter):
                 x = inputs[0]
             else:
                 x2 = inputs[0].reshape(-1, inputs[0].shape[-1])
-                act = _ACTS[str(step.attrs.get("act", "silu"))]
                 gate, up = x2 @ inputs[1].T, x2 @ inputs[2].T
                 self._observe_output(step.op.operands[1], gate)
                 self._observe_output(step.op.operands[2], up)
-                x = act(gate) * up
+                x = mlp_activation(str(step.attrs.get("act", "silu")), gate) * up
             inv = self.inv_smooth.get(site.key)
             self.observers[site.key].add(x if inv is None else x * inv)
         results = step.kernel(inputs, step.attrs)
@@ -684,7 +681,7 @@ class _ErrorInterpreter(Interpreter):
         for site in self.at_op.get(id(step.op), ()):
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
             if site.kind == "mlp_hidden":
-                x = _ACTS[str(step.attrs.get("act", "silu"))](x @ inputs[1].T) * (x @ inputs[2].T)
+                x = mlp_activation(str(step.attrs.get("act", "silu")), x @ inputs[1].T) * (x @ inputs[2].T)
             for name in site.names:  # a site is seen once, at its first linear: the others read the same input
                 y = x.astype(np.float64) @ np.asarray(self.weights(name), np.float64).T
                 d = y - self.quantized(name, x)
@@ -702,19 +699,22 @@ def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: n
     windows = windows[:REPORT_WINDOWS]
     cm = _calib_model(model, windows.shape[1], linears)
     store = model.checkpoint.weights
-    codes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    site_of = {n: site for site in cm.sites for n in site.names}
+    forms: dict[str, tuple[np.ndarray, ...]] = {}  # per linear, computed once: bf16 weight, or (codes, scales)
 
     def quantized(name: str, x: np.ndarray) -> np.ndarray:
-        site = next(s for s in cm.sites if name in s.names)
-        s = plan.smooth.get(site.key)
+        s = plan.smooth.get(site_of[name].key)
         x_s = x if s is None else x / s
-        w_eff = _effective(store.get, name, plan.smooth, cm.sites)
+        if name not in forms:
+            w_eff = _effective(store.get, name, plan.smooth, cm.sites)
+            if plan.modes[name] == "bf16":
+                forms[name] = (round_to_dtype(w_eff, SCALE_DTYPE).astype(np.float64),)
+            else:
+                q, scale = quantize_weight(w_eff, SCALE_DTYPE)
+                forms[name] = (q.astype(np.float32), scale)
         if plan.modes[name] == "bf16":
-            return x_s.astype(np.float64) @ round_to_dtype(w_eff, SCALE_DTYPE).astype(np.float64).T
-        if name not in codes:
-            q, scale = quantize_weight(w_eff, SCALE_DTYPE)
-            codes[name] = (q.astype(np.float32), scale)
-        q, scale = codes[name]
+            return x_s.astype(np.float64) @ forms[name][0].T
+        q, scale = forms[name]
         attrs = {"act_scale": 0.0 if dynamic else plan.act_scales[name], "dynamic": dynamic}
         if not dynamic and plan.out_scales.get(name):
             attrs["out_scale"] = plan.out_scales[name]

@@ -27,7 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from topq.core.safetensors_io import SafetensorsWriter  # noqa: E402
+from topq.io.safetensors import SafetensorsWriter  # noqa: E402
 
 # The public config.json values of Qwen2.5-0.5B and Qwen2.5-1.5B (both tie their embeddings).
 CONFIGS = {

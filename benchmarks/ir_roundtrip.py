@@ -21,9 +21,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run from a checkout without i
 
 from ir_gen import Dims, build_module  # noqa: E402
 
-from topq.core.parser import parse_module  # noqa: E402
-from topq.core.printer import print_module  # noqa: E402
-from topq.core.verifier import verify_module  # noqa: E402
+from topq.ir.parser import parse_module  # noqa: E402
+from topq.ir.printer import print_module  # noqa: E402
+from topq.ir.verifier import verify_module  # noqa: E402
 
 PARSE_TARGET_S = 0.3
 

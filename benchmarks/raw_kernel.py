@@ -32,7 +32,7 @@ sys.path[:0] = [str(REPO)]  # run from a checkout without installing
 from topq.core.bundle import Bundle  # noqa: E402
 from topq.core.pipeline import convert  # noqa: E402
 from topq.core.recipe import recipe_from_defaults  # noqa: E402
-from topq.core.reference_ops import silu  # noqa: E402
+from topq.ir.reference_ops import silu  # noqa: E402
 from topq.core.runtime import Session  # noqa: E402
 from topq.raw import library  # noqa: E402
 

@@ -128,3 +128,52 @@ def load_smol_reference(path: Path) -> Any:
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model.float().eval()
+
+
+# --- bundle digests: a refactor must leave every bundle byte-identical ------------------------------------------
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--bundle-digests", metavar="FILE", default=None,
+                     help="write a JSON map of every topq bundle left under the session's temp dir to its sha256 "
+                          "and a path-normalised content digest (compare two runs with tests/compare_digests.py)")
+
+
+def _bundle_digest(path: Path, basetemp: str) -> dict[str, str] | None:
+    import hashlib
+    import json
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        size = int.from_bytes(head, "little")
+        if not 2 <= size <= 1 << 27:
+            return None
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:
+            return None
+    meta = header.pop("__metadata__", None) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or "topq.meta" not in meta:
+        return None
+    file_sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    # The recipe names the checkpoint by its (temp) path; the content digest replaces the session's temp root.
+    doc = meta["topq.meta"].replace(basetemp, "<tmp>")
+    content = hashlib.sha256((json.dumps(header, sort_keys=True) + doc).encode()).hexdigest()
+    return {"sha256": file_sha, "content": content}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    out = session.config.getoption("--bundle-digests")
+    if not out:
+        return
+    import json
+
+    basetemp = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    digests: dict[str, dict[str, str]] = {}
+    for path in sorted(basetemp.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            digest = _bundle_digest(path, str(basetemp))
+            if digest is not None:
+                digests[str(path.relative_to(basetemp))] = digest
+    Path(out).write_text(json.dumps(digests, indent=1, sort_keys=True) + "\n")

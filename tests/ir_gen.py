@@ -14,11 +14,11 @@ import sys
 from dataclasses import dataclass
 
 import topq.raw  # noqa: F401  (registers top.DSLRegion, which the op table lists)
-from topq.core.builder import Builder
-from topq.core.catalogue import CATALOGUE, REQUIRED, OpDef
-from topq.core.ir import Module, Value
-from topq.core.printer import format_attr
-from topq.core.types import ScalarType, tensor
+from topq.ir.builder import Builder
+from topq.ir.catalogue import CATALOGUE, REQUIRED, OpDef
+from topq.ir.graph import Module, Value
+from topq.ir.printer import format_attr
+from topq.ir.types import ScalarType, tensor
 
 #: Strings that stress the printer's escaping: quote, backslash, newline, tab, non-ASCII, emoji.
 NASTY_STRING = 'a "quoted" \\path\\ with\nnewline,\ttab, caf\u00e9, \u4e2d\u6587 and \U0001f600'

@@ -16,11 +16,11 @@ import pytest
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
 from topq.core.inspect import describe
-from topq.core.ir import Function, Module
-from topq.core.parser import parse_module
+from topq.ir.graph import Function, Module
+from topq.ir.parser import parse_module
 from topq.core.pipeline import convert, linear_weight_names, load_model, make_quantizer
 from topq.core.plugins import get_plugins
-from topq.core.printer import print_module
+from topq.ir.printer import print_module
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
 from topq.core.target import CompileJob
@@ -277,7 +277,7 @@ def test_packed_tensors_match_an_independent_layout(bundle: Callable[..., Bundle
 
 
 def test_pack_round_trip_equals_the_host_dequantization() -> None:
-    from topq.core.quant import round_to_dtype
+    from topq.ir.types import round_to_dtype
     from topq.plugins.quant.rtn import quantize
 
     w = np.random.default_rng(3).normal(size=(24, 128)).astype(np.float32)
@@ -479,7 +479,7 @@ def test_checker_from_environment_or_recipe(bundle: Callable[..., Bundle], monke
 
 
 def test_lean_kernels_equal_the_reference_bit_for_bit() -> None:
-    from topq.core.reference_ops import REFERENCE_OPS
+    from topq.ir.reference_ops import REFERENCE_OPS
     from topq.plugins.targets.bm1684x.kernels import rmsnorm, rope
 
     rng = np.random.default_rng(5)

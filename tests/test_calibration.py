@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from topq.core.calibration import (
+from topq.quant.calibration import (
     InputStats,
     LayerState,
     calibration_windows,
@@ -20,9 +20,9 @@ from topq.core.calibration import (
 )
 from topq.core.checkpoint import tokenizer_files_of
 from topq.core.errors import TopqError
-from topq.core.interpreter import Interpreter
+from topq.ir.interpreter import Interpreter
 from topq.core.pipeline import load_model
-from topq.core.quant_math import rtn
+from topq.quant.grid import rtn
 from topq.core.recipe import recipe_from_defaults
 from topq.plugins.quant.awq import _fold
 
@@ -72,7 +72,7 @@ def test_long_text_is_tokenized_in_chunks_without_losing_tokens(tmp_path: Path,
 
 
 def test_text_split_points() -> None:
-    from topq.core.calibration import _split_text
+    from topq.quant.calibration import _split_text
 
     text = ("word " * 50 + "\n\n") * 30
     for size in (7, 100, 1000, 10**6):

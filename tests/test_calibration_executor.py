@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from topq.core.errors import TopqError
-from topq.core.observers import Observer
+from topq.quant.observers import Observer
 
 AUSTEN = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "austen"
 STAGES = {"seq_length": 32, "max_input_length": 16, "decode_chunks": [32]}
@@ -112,7 +112,7 @@ def test_calibrated_bundles_are_identical_for_every_executor(tiny: Path, tmp_pat
     The Ray run also proves its unit workers do not calibrate again: as soon as the converting process has read
     the calibration data, the file is moved away, so a worker that re-ran `prepare`'s calibration (instead of
     loading the stored result) would fail with "calibration data not found"."""
-    from topq.core import calibration
+    from topq.quant import calibration
     from topq.core.pipeline import convert
 
     out = tmp_path / "model.topq"
@@ -149,12 +149,12 @@ def test_calibrated_bundles_are_identical_for_every_executor(tiny: Path, tmp_pat
 
 
 def test_calibration_result_store_round_trip(tmp_path: Path) -> None:
-    from topq.core.calibration import (
+    from topq.quant.calibration import (
         CalibrationResult,
         load_calibration,
         save_calibration,
     )
-    from topq.core.quant_math import quantize_groups
+    from topq.quant.grid import quantize_groups
 
     w = np.random.default_rng(3).normal(size=(8, 64)).astype(np.float32)
     result = CalibrationResult()

@@ -17,7 +17,7 @@ from test_smollm2_host import reference_perplexity
 
 from topq.core import cli
 from topq.core.bundle import Bundle
-from topq.core.safetensors_io import SafetensorsFile, write_safetensors
+from topq.io.safetensors import SafetensorsFile, write_safetensors
 
 TinyFactory = Callable[..., TinyHost]
 OLD_OUTPUT = b"a previous bundle that a failed convert must not touch"

@@ -29,7 +29,7 @@ from topq.core import cli
 from topq.core.bundle import FORMAT_VERSION, Bundle
 from topq.core.errors import TopqError
 from topq.core.runtime import Sampling, Session
-from topq.core.safetensors_io import SafetensorsFile, write_safetensors
+from topq.io.safetensors import SafetensorsFile, write_safetensors
 
 ATOL = 1e-4
 VOCAB = 256  # tests/tiny_models.py COMMON["vocab_size"]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from topq.core.errors import TopqError
-from topq.core.int8_math import (
+from topq.ir.int8 import (
     matmul_int8,
     quantize_bias,
     quantize_multiplier,
@@ -19,8 +19,8 @@ from topq.core.int8_math import (
     quantize_weight,
     requant_params,
 )
-from topq.core.observers import Observer, kl_threshold
-from topq.core.reference_ops import REFERENCE_OPS
+from topq.quant.observers import Observer, kl_threshold
+from topq.ir.reference_ops import REFERENCE_OPS
 from topq.plugins.quant.int8 import smooth_factors
 
 AUSTEN = Path("/work/shared/data/austen")
@@ -248,14 +248,14 @@ def test_bm1684x_program_with_static_requant_matches_host_bit_exactly() -> None:
     bf16 rounding, bit for bit (the dynamic linear: float dequantization, unchanged)."""
     import ml_dtypes
 
-    from topq.core.builder import Builder
-    from topq.core.interpreter import Interpreter
-    from topq.core.parser import parse_module
+    from topq.ir.builder import Builder
+    from topq.ir.interpreter import Interpreter
+    from topq.ir.parser import parse_module
     from topq.core.plugins import get_plugins
-    from topq.core.printer import print_module
+    from topq.ir.printer import print_module
     from topq.core.target import CompileJob
-    from topq.core.types import TensorType
-    from topq.core.verifier import verify_module
+    from topq.ir.types import TensorType
+    from topq.ir.verifier import verify_module
     from topq.plugins.targets.bm1684x.compiler import compile_model
     from topq.plugins.targets.bm1684x.emulator import Emulator
     from topq.plugins.targets.bm1684x.spec import BM1684X
@@ -414,7 +414,7 @@ def test_bm1684x_emulator_matches_host_per_function(tiny: dict[str, Any], quant:
     chip_b = Bundle(recipe_for(tiny, "int8", chip="bm1684x", **quant).output.path)
     assert "tpu.MatMulInt8" in chip_b.program and chip_b.tensor(
         "model.layers.0.mlp.down_proj.weight.qweight").dtype == np.int8
-    from topq.core.parser import parse_module
+    from topq.ir.parser import parse_module
 
     static = [op for f in parse_module(host_b.program) for op in f.ops
               if op.name == "top.MatMulInt8" and not op.attrs.get("dynamic") and op.attrs.get("out_scale", 0.0) > 0]

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 from ir_gen import EVERY_KIND_ATTRS, NASTY_STRING, Dims, build_module, op_table_rows
 
-from topq.core.builder import Builder
-from topq.core.catalogue import CATALOGUE
+from topq.ir.builder import Builder
+from topq.ir.catalogue import CATALOGUE
 from topq.core.errors import TopqError
-from topq.core.ir import Function, Module, Operation
-from topq.core.parser import IRParseError, parse_module
-from topq.core.printer import print_module
-from topq.core.rewrite import Rewriter, apply_patterns
-from topq.core.types import ScalarType, TensorType, tensor
-from topq.core.verifier import VerifyError, verify_module
+from topq.ir.graph import Function, Module, Operation
+from topq.ir.parser import IRParseError, parse_module
+from topq.ir.printer import print_module
+from topq.ir.rewrite import Rewriter, apply_patterns
+from topq.ir.types import ScalarType, TensorType, tensor
+from topq.ir.verifier import VerifyError, verify_module
 
 REPO = Path(__file__).resolve().parent.parent
 DIMS = Dims()

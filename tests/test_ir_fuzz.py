@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ir_gen import Dims, build_module
 
-from topq.core.parser import IRParseError, parse_module
-from topq.core.printer import print_module
+from topq.ir.parser import IRParseError, parse_module
+from topq.ir.printer import print_module
 
 SMALL = """\
 module {

@@ -14,7 +14,7 @@ import torch
 
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
-from topq.core.quant_math import (
+from topq.quant.grid import (
     code_range,
     fake_quant,
     output_error,

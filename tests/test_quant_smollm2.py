@@ -94,7 +94,7 @@ def test_int8_orderings(smol_ppl: Any) -> None:
 
 
 def test_int8_mixed_precision_keeps_most_weights_int8_and_names_the_rest(smol_ppl: Any) -> None:
-    from topq.core.parser import parse_module
+    from topq.ir.parser import parse_module
 
     float_ppl, _ = smol_ppl("float", "f32")
     minmax, _ = smol_ppl("minmax", "int8", INT8_CALIBRATION)

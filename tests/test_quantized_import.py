@@ -19,13 +19,13 @@ import torch
 
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
-from topq.core.quantized_import import (
+from topq.plugins.formats.quantized import (
     QuantizedStore,
     parse_quantization_config,
     to_signed_symmetric,
     unpack_gguf,
 )
-from topq.core.safetensors_io import SafetensorsFile, write_safetensors
+from topq.io.safetensors import SafetensorsFile, write_safetensors
 from topq.plugins.formats import gguf_file, hf
 
 RNG_SEED = 1234

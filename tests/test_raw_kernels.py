@@ -17,17 +17,17 @@ import pytest
 from conftest import smol_path
 
 import topq.core.plugins
-from topq.core.builder import Builder
+from topq.ir.builder import Builder
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
-from topq.core.interpreter import Interpreter
-from topq.core.parser import parse_module
+from topq.ir.interpreter import Interpreter
+from topq.ir.parser import parse_module
 from topq.core.plugins import build_plugins
-from topq.core.printer import print_module
+from topq.ir.printer import print_module
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
-from topq.core.types import TensorType
-from topq.core.verifier import verify_module
+from topq.ir.types import TensorType
+from topq.ir.verifier import verify_module
 from topq.raw import InOut, Input, Num, exp, kernel, raw_call, rsqrt
 from topq.raw.substitute import load_kernel
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from topq.core.errors import TopqError
-from topq.core.reference_ops import (
+from topq.ir.reference_ops import (
     REFERENCE_OPS,
     erf,
     erfc,
@@ -59,7 +59,7 @@ def test_catalogue_covers_design_ops() -> None:
     assert expected <= set(REFERENCE_OPS)
     # Every Top op the catalogue declares has a reference kernel, except the ones the interpreter resolves
     # itself (weights) or that carry their own body (raw-kernel regions).
-    from topq.core.catalogue import CATALOGUE
+    from topq.ir.catalogue import CATALOGUE
 
     declared = {name for name in CATALOGUE if name.startswith("top.")} - {"top.Weight", "top.DSLRegion"}
     assert declared <= set(REFERENCE_OPS)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
-from topq.core.quant import round_to_dtype
+from topq.ir.types import round_to_dtype
 from topq.plugins.quant.rtn import SCHEMES, quantize, round_half_away
 
 

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 import topq
 from topq.core.executors import InlineExecutor, TaskExecutor
-from topq.core.printer import print_function
-from topq.core.safetensors_io import SafetensorsFile, SafetensorsWriter, TensorData
+from topq.ir.printer import print_function
+from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
 from topq.core.target import CompiledModel
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -102,7 +102,7 @@ def store_calibration(prepared: Prepared, cache_dir: Path | None) -> Path | None
     result = prepared.calibration
     if not result and not any(getattr(result, a, None) for a in ("float_weights", "report", "state")):
         return None
-    from topq.core.calibration import save_calibration
+    from topq.quant.calibration import save_calibration
 
     parent = None
     if cache_dir is not None:  # the cache is where workers already read and write (a shared file system)

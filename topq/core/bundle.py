@@ -19,7 +19,7 @@ import numpy as np
 
 from topq.core.errors import TopqError
 from topq.core.family import ModelSpec
-from topq.core.safetensors_io import SafetensorsFile, SafetensorsWriter, TensorData
+from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
 
 FORMAT = "topq-bundle"
 FORMAT_VERSION = 1

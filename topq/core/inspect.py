@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from topq.core.bundle import Bundle
-from topq.core.parser import parse_module
+from topq.ir.parser import parse_module
 from topq.core.plugins import get_plugins
 
 

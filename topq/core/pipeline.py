@@ -31,17 +31,18 @@ from topq.core.checkpoint import Checkpoint
 from topq.core.errors import TopqError
 from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
-from topq.core.ir import Module
+from topq.ir.graph import Module
 from topq.core.plugins import Plugins, get_plugins
-from topq.core.printer import print_function
-from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, round_to_dtype
-from topq.core.quant_math import resolve_group_size
-from topq.core.quantized_import import to_signed_symmetric
+from topq.ir.printer import print_function
+from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
+from topq.ir.types import round_to_dtype
+from topq.quant.grid import resolve_group_size
+from topq.plugins.formats.quantized import to_signed_symmetric
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.core.target import CompileJob
-from topq.core.types import ELEMENT_TYPES
-from topq.core.verifier import verify_module
+from topq.ir.types import ELEMENT_TYPES
+from topq.ir.verifier import verify_module
 
 
 def open_checkpoint(plugins: Plugins, path: str | Path, fmt: str = "auto") -> Checkpoint:
@@ -202,7 +203,7 @@ def calibrate_scheme(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
             return scheme.calibrate(model, recipe, executor=executor)
         return scheme.calibrate(model, recipe)
     if scheme.quantize is not None and scheme.weight_bits and recipe.quant.calibration.data is not None:
-        from topq.core.calibration import quantization_report
+        from topq.quant.calibration import quantization_report
 
         return quantization_report(model, recipe, scheme, executor)
     return {}
@@ -214,7 +215,7 @@ def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_
     calibrating again (a Ray worker)."""
     scheme = plugins.schemes.get(recipe.quant.scheme)
     if calibration_file is not None:
-        from topq.core.calibration import load_calibration
+        from topq.quant.calibration import load_calibration
 
         precomputed: Mapping[str, QuantizedWeight] = load_calibration(calibration_file)
         if scheme.restore is not None:
@@ -230,7 +231,7 @@ def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_
 
 def dump_ir(directory: Path, dialect: str, module_text: str | Module) -> None:
     """One .mlir file per function under DIRECTORY/DIALECT/."""
-    from topq.core.parser import parse_module
+    from topq.ir.parser import parse_module
 
     module = parse_module(module_text) if isinstance(module_text, str) else module_text
     out = directory / dialect

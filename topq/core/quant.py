@@ -66,7 +66,7 @@ class QuantScheme:
     `quantize(weight, options)` returns a QuantizedWeight for one linear weight [N, K] (round-to-nearest schemes).
     `calibrate(model, recipe, *, executor)` (schemes that need data: GPTQ, AWQ, AutoRound, INT8) runs the float
     model on the recipe's calibration data and returns {weight name: QuantizedWeight} plus anything it wants in the
-    bundle (a `topq.core.calibration.CalibrationResult`: `float_weights`, `report`, `state`). `executor` is the
+    bundle (a `topq.quant.calibration.CalibrationResult`: `float_weights`, `report`, `state`). `executor` is the
     conversion's `topq.core.executors.TaskExecutor`, for the per-sample work (`run_calibration` uses it); the
     pipeline passes it only to a `calibrate` that declares an `executor` parameter (or **kwargs), so two-argument
     calibrate functions keep working, in this process.
@@ -93,14 +93,3 @@ class QuantScheme:
     @property
     def is_float(self) -> bool:
         return self.weight_bits is None
-
-
-def round_to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values as they are after storing in `dtype` (bf16/f16) and reading back."""
-    from topq.core.types import ELEMENT_TYPES
-
-    if dtype == "f32":
-        return np.asarray(array, dtype=np.float32)
-    if dtype not in ("bf16", "f16"):
-        raise TopqError(f"not a float dtype: {dtype}")
-    return np.asarray(array, dtype=np.float32).astype(ELEMENT_TYPES[dtype]).astype(np.float32)

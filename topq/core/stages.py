@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.builder import Builder
+from topq.ir.builder import Builder
 from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec
-from topq.core.ir import Module, Value
-from topq.core.reference_ops import rope_tables
-from topq.core.types import tensor
+from topq.ir.graph import Module, Value
+from topq.ir.reference_ops import rope_tables
+from topq.ir.types import tensor
 
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"
 

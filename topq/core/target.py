@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from topq.core.types import TensorType
+from topq.ir.types import TensorType
 
 if TYPE_CHECKING:
     from topq.core.bundle import Bundle
     from topq.core.family import ModelSpec
-    from topq.core.ir import Module
+    from topq.ir.graph import Module
     from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
+    from topq.ir.types import round_to_dtype
 
 
 @dataclass
@@ -39,8 +40,8 @@ class CompileJob:
 
     def __post_init__(self) -> None:
         if self.weight_in is None:
-            from topq.core.quant import round_to_dtype
-            from topq.core.types import ELEMENT_TYPES
+            from topq.ir.types import round_to_dtype
+            from topq.ir.types import ELEMENT_TYPES
 
             self.weight_in = lambda name, dtype: round_to_dtype(self.weights(name), dtype).astype(ELEMENT_TYPES[dtype])
 

@@ -2,7 +2,7 @@
 
 The frontend reads annotations from the function's source (so `from __future__ import annotations` makes no
 difference); these classes only make the annotations valid Python when the module is imported. The type string
-is MLIR's spelling, parsed by `topq.core.types.parse_type`; `?` dimensions are bound from the call's operands.
+is MLIR's spelling, parsed by `topq.ir.types.parse_type`; `?` dimensions are bound from the call's operands.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from topq.core.types import TensorType, Type
+from topq.ir.types import TensorType, Type
 
 
 class ParamKind(Enum):

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from topq.core.builder import Builder
+from topq.ir.builder import Builder
 from topq.core.errors import TopqError
-from topq.core.ir import Block, Operation, Region, Value
-from topq.core.types import ScalarType, TensorType, Type, TypeParseError, parse_type
+from topq.ir.graph import Block, Operation, Region, Value
+from topq.ir.types import ScalarType, TensorType, Type, TypeParseError, parse_type
 from topq.raw.annotations import ANNOTATIONS, Param, ParamKind
 from topq.raw.functions import MATH_CALLS
 from topq.raw.kernel_ops import FLOAT_TYPES, I1, INDEX

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from topq.core.reference_ops import erf as _erf64
+from topq.ir.reference_ops import erf as _erf64
 
 
 def exp(x: np.ndarray | float) -> np.ndarray:

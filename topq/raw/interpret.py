@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.core.ir import Block, Operation
-from topq.core.types import ELEMENT_TYPES, ScalarType
+from topq.ir.graph import Block, Operation
+from topq.ir.types import ELEMENT_TYPES, ScalarType
 from topq.raw.functions import erf as _erf
 from topq.raw.vectorize import plan_lanes, walk_block
 

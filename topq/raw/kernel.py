@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.core.ir import Block, Function, Module
-from topq.core.printer import print_module
-from topq.core.types import DYNAMIC, ScalarType, TensorType, Type, dtype_name
+from topq.ir.graph import Block, Function, Module
+from topq.ir.printer import print_module
+from topq.ir.types import DYNAMIC, ScalarType, TensorType, Type, dtype_name
 from topq.raw.annotations import Param, ParamKind
 from topq.raw.frontend import KernelSource, Lowering, parse_params, read_source
 from topq.raw.interpret import BlockExecutor

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from topq.core.catalogue import AttrSpec, InferError, define
-from topq.core.types import ScalarType, TensorType, Type
+from topq.ir.catalogue import AttrSpec, InferError, define
+from topq.ir.types import ScalarType, TensorType, Type
 
 A = AttrSpec
 

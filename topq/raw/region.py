@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.builder import Builder
-from topq.core.catalogue import CATALOGUE, AttrSpec, InferError, define
+from topq.ir.builder import Builder
+from topq.ir.catalogue import CATALOGUE, AttrSpec, InferError, define
 from topq.core.errors import TopqError
-from topq.core.interpreter import REGION_KERNELS
-from topq.core.ir import Operation, Region, Value
-from topq.core.rewrite import Pattern, Rewriter
-from topq.core.types import TensorType, Type
+from topq.ir.interpreter import REGION_KERNELS
+from topq.ir.graph import Operation, Region, Value
+from topq.ir.rewrite import Pattern, Rewriter
+from topq.ir.types import TensorType, Type
 from topq.raw.annotations import ParamKind
 from topq.raw.interpret import BlockExecutor
 from topq.raw.kernel import Kernel

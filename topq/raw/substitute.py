@@ -16,10 +16,10 @@ import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from topq.core.catalogue import lookup_op
+from topq.ir.catalogue import lookup_op
 from topq.core.errors import TopqError
-from topq.core.ir import Module, Operation
-from topq.core.rewrite import Pattern, Rewriter, apply_patterns
+from topq.ir.graph import Module, Operation
+from topq.ir.rewrite import Pattern, Rewriter, apply_patterns
 from topq.raw.kernel import Kernel
 from topq.raw.region import replacement_table
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from topq.core.ir import Block, Operation, Value
+from topq.ir.graph import Block, Operation, Value
 
 
 @dataclass(frozen=True)

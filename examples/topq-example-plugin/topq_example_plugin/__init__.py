@@ -18,7 +18,7 @@ from topq.core.family import (
     ModelSpec,
     normalize_llama_like,
 )
-from topq.core.ir import Value
+from topq.ir.graph import Value
 from topq.core.stages import BlockContext
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import topq
 from topq.core.family import ModelFamily
-from topq.core.ir import Value
+from topq.ir.graph import Value
 from topq.core.stages import BlockContext
 from topq.raw import InOut, Input, exp, kernel, raw_call
 from topq_example_plugin import FAMILY

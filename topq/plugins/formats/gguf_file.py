@@ -21,7 +21,7 @@ import numpy as np
 from topq.core.checkpoint import Checkpoint, CheckpointFormat, normalize_rope, tokenizer_files_of
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
-from topq.core.quantized_import import GGUF_EXACT_TYPES, unpack_gguf
+from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
 
 __all__ = ["FORMAT", "GGUFStore", "detect", "gguf_to_hf_name", "open_checkpoint", "reverse_permute"]
 

@@ -22,8 +22,8 @@ from topq.core.checkpoint import (
     tokenizer_files_of,
 )
 from topq.core.errors import TopqError
-from topq.core.quantized_import import QuantizedStore, read_quantization_config
-from topq.core.safetensors_io import SafetensorsFile
+from topq.plugins.formats.quantized import QuantizedStore, read_quantization_config
+from topq.io.safetensors import SafetensorsFile
 
 __all__ = ["FORMAT", "SafetensorsStore", "detect", "open_checkpoint"]
 

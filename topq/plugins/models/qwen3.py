@@ -7,7 +7,7 @@ from typing import Any
 
 import topq
 from topq.core.family import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, ModelFamily, ModelSpec, normalize_llama_like
-from topq.core.ir import Value
+from topq.ir.graph import Value
 from topq.core.stages import BlockContext
 
 LAYER_WEIGHTS = {

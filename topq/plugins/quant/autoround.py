@@ -25,9 +25,9 @@ import numpy as np
 from tqdm import tqdm
 
 import topq
-from topq.core.calibration import GroupInputs, LayerState, calibration_scheme
+from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.core.quant import QuantizedWeight
-from topq.core.quant_math import (
+from topq.quant.grid import (
     TINY_SCALE,
     check_bits,
     code_range,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 import topq
-from topq.core.calibration import (
+from topq.quant.calibration import (
     FoldTarget,
     GroupInputs,
     LayerState,
@@ -29,7 +29,7 @@ from topq.core.calibration import (
 )
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
-from topq.core.quant_math import (
+from topq.quant.grid import (
     check_bits,
     fake_quant,
     quantize_groups,

@@ -1,7 +1,7 @@
 """GPTQ (Frantar et al. 2022): column-by-column quantization with second-order error compensation.
 
 The solver is a pure numpy function of a weight W [N, K] and the Hessian proxy H = Σ xᵀx [K, K] of the
-linear's inputs; `topq.core.calibration` gathers H layer by layer and calls it. Rows never interact (every
+linear's inputs; `topq.quant.calibration` gathers H layer by layer and calls it. Rows never interact (every
 row sees the same H), so linears that share an input (q/k/v, gate/up) are stacked and solved in one call.
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 
 import topq
-from topq.core.calibration import GroupInputs, LayerState, calibration_scheme
+from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
-from topq.core.quant_math import (
+from topq.quant.grid import (
     check_bits,
     make_quantized,
     params_from_range,

@@ -35,15 +35,16 @@ from tqdm import tqdm
 
 import topq
 from topq.core.errors import TopqError
-from topq.core.int8_math import QMAX, quantize_weight
-from topq.core.interpreter import Interpreter, Step
-from topq.core.ir import Function, Module, Operation, Value
-from topq.core.observers import Observer
-from topq.core.quant import QuantScheme, round_to_dtype
-from topq.core.reference_ops import REFERENCE_OPS, mlp_activation
-from topq.core.rewrite import Rewriter, apply_patterns
+from topq.ir.int8 import QMAX, quantize_weight
+from topq.ir.interpreter import Interpreter, Step
+from topq.ir.graph import Function, Module, Operation, Value
+from topq.quant.observers import Observer
+from topq.core.quant import QuantScheme
+from topq.ir.types import round_to_dtype
+from topq.ir.reference_ops import REFERENCE_OPS, mlp_activation
+from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.core.stages import StageConfig, build_program, rope_weights
-from topq.core.types import TensorType
+from topq.ir.types import TensorType
 
 OPTIONS = ("observer", "percentile", "smooth_alpha", "dynamic_tokens", "budget", "table", "calibration", "lm_head")
 TABLE_VERSION = 1
@@ -747,7 +748,7 @@ def _linear_names(model: Any) -> frozenset[str]:
 
 
 def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any]:
-    from topq.core.calibration import CalibrationResult, calibration_windows
+    from topq.quant.calibration import CalibrationResult, calibration_windows
 
     opts = Int8Options.from_recipe(recipe)
     linears = _linear_names(model)

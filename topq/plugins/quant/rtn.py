@@ -5,7 +5,7 @@ float32, per group of `group_size` weights along K:
 
 * asymmetric: `scale = (max - min) / (2^bits - 1)`, `zp = clamp(round(-min / scale), 0, 2^bits - 1)`,
   `code = clamp(round(w / scale) + zp, 0, 2^bits - 1)`; the range is *not* widened to contain 0 (unlike GPTQ's
-  convention in `topq.core.quant_math`), so an all-positive group spends every code on its own values.
+  convention in `topq.quant.grid`), so an all-positive group spends every code on its own values.
 * symmetric: `scale = absmax / (2^(bits-1) - 1)`, signed codes `clamp(round(w / scale), -2^(bits-1), 2^(bits-1)-1)`.
 
 `round` is C's `std::round` (halves away from zero), not numpy's half-to-even. An asymmetric group whose range is
@@ -25,8 +25,9 @@ import numpy as np
 
 import topq
 from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight, QuantScheme, round_to_dtype
-from topq.core.quant_math import code_range, make_quantized, resolve_group_size
+from topq.core.quant import QuantizedWeight, QuantScheme
+from topq.ir.types import round_to_dtype
+from topq.quant.grid import code_range, make_quantized, resolve_group_size
 
 OPTIONS = ("bits", "group_size", "symmetric", "lm_head")
 

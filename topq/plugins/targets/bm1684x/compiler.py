@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from topq.core.parser import parse_module
-from topq.core.printer import print_module
+from topq.ir.parser import parse_module
+from topq.ir.printer import print_module
 from topq.core.target import CompiledModel, CompileJob
-from topq.core.verifier import verify_module
+from topq.ir.verifier import verify_module
 from topq.plugins.targets.bm1684x.layer_group import assign_groups
 from topq.plugins.targets.bm1684x.lowering import Lowering
 from topq.plugins.targets.bm1684x.memory import plan_memory

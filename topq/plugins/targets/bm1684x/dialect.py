@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import topq.core.top_ops as top
-from topq.core.catalogue import AttrSpec, InferError, InferFn, define
-from topq.core.types import TensorType, Type
+import topq.ir.top_ops as top
+from topq.ir.catalogue import AttrSpec, InferError, InferFn, define
+from topq.ir.types import TensorType, Type
 from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES
 
 A = AttrSpec

@@ -4,7 +4,7 @@ DDR is one numpy uint8 array of the planned size; every DDR tensor is a typed vi
 (weights in the coefficient region, each layer's KV cache in its fixed region, activations in the shared region).
 Values a layer group keeps in local memory never get an address: the emulator holds them in a slot list, rounded
 to their dtype as the chip stores them. Kernels are in `kernels.py`; a function is compiled once into a flat list
-of steps (kernel, operand readers, result writers) like `topq.core.interpreter.Interpreter`'s plans, whose Top
+of steps (kernel, operand readers, result writers) like `topq.ir.interpreter.Interpreter`'s plans, whose Top
 reference kernels it reuses for the ops that compute in f32.
 
 Weights are decoded once per loaded bundle, on the first function that uses them, from the bytes in DDR:
@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.catalogue import CATALOGUE
+from topq.ir.catalogue import CATALOGUE
 from topq.core.errors import TopqError
-from topq.core.int8_math import uses_requant
-from topq.core.ir import Block, Function, Module, Operation, Value
-from topq.core.parser import parse_module
-from topq.core.reference_ops import REFERENCE_OPS
-from topq.core.types import TensorType
+from topq.ir.int8 import uses_requant
+from topq.ir.graph import Block, Function, Module, Operation, Value
+from topq.ir.parser import parse_module
+from topq.ir.reference_ops import REFERENCE_OPS
+from topq.ir.types import TensorType
 from topq.plugins.targets.bm1684x import (
     dialect,  # noqa: F401  (registers the tpu ops)
     raw,

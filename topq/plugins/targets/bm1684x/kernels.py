@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.core.reference_ops import FULLY_MASKED_SCORE, REFERENCE_OPS, gelu, silu
+from topq.ir.reference_ops import FULLY_MASKED_SCORE, REFERENCE_OPS, gelu, silu
 from topq.plugins.targets.bm1684x.modes import NP_DTYPES
 
 F32 = np.float32
@@ -57,7 +57,7 @@ def matmul_int8(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarra
     Static with out_scale > 0 (args x, codes, multiplier i32, rshift i8[, bias_q i32]): the accumulator plus bias_q
     is requantized in int64 — clamp(RightShiftRound(acc · M[n], s[n], half up), -128, 127) — and the int8 code
     converted to f32 times f32(out_scale) (`int8_math.requant_linear`, shared with the host kernel)."""
-    from topq.core.int8_math import (
+    from topq.ir.int8 import (
         quantize_act,
         requant_linear,
         token_scales,

@@ -26,14 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.builder import Builder
+from topq.ir.builder import Builder
 from topq.core.errors import TopqError
-from topq.core.int8_math import quantize_bias, requant_params, uses_requant
-from topq.core.ir import Block, Function, Module, Operation, Value
+from topq.ir.int8 import quantize_bias, requant_params, uses_requant
+from topq.ir.graph import Block, Function, Module, Operation, Value
 from topq.core.quant import QuantSpec
-from topq.core.rewrite import Rewriter, apply_patterns
+from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.core.target import CompileJob
-from topq.core.types import TensorType
+from topq.ir.types import TensorType
 from topq.plugins.targets.bm1684x import (
     dialect,  # noqa: F401  (registers the tpu ops)
     raw,

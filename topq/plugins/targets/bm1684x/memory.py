@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from topq.core.errors import TopqError
-from topq.core.ir import Block, Function, Module, Operation, Value
-from topq.core.types import TensorType
+from topq.ir.graph import Block, Function, Module, Operation, Value
+from topq.ir.types import TensorType
 from topq.plugins.targets.bm1684x import raw
 from topq.plugins.targets.bm1684x.layer_group import (
     VIEW_OPS,

@@ -31,7 +31,7 @@ from typing import Any
 
 from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec, find_family
-from topq.core.ir import Function, Module, Operation, Value
+from topq.ir.graph import Function, Module, Operation, Value
 from topq.core.stages import StageConfig, build_program
 from topq.plugins.targets.bm1684x.raw import element_ops
 from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec

@@ -39,9 +39,9 @@ import numpy as np
 
 import topq.raw  # noqa: F401  (registers the kernel IR ops and top.DSLRegion in the catalogue)
 from topq.core.errors import TopqError
-from topq.core.ir import Block, Function, Operation, Value, walk_ops
-from topq.core.rewrite import Rewriter
-from topq.core.types import ELEMENT_TYPES, ScalarType, TensorType
+from topq.ir.graph import Block, Function, Operation, Value, walk_ops
+from topq.ir.rewrite import Rewriter
+from topq.ir.types import ELEMENT_TYPES, ScalarType, TensorType
 from topq.plugins.targets.bm1684x import dialect  # noqa: F401  (registers the tpu ops, the staging ones included)
 from topq.plugins.targets.bm1684x.spec import ChipSpec
 from topq.raw.interpret import BlockExecutor

@@ -11,10 +11,10 @@ import numpy as np
 import topq
 import topq.raw  # noqa: F401  (registers top.DSLRegion and its host kernel: bundles may contain raw kernels)
 from topq.core.bundle import Bundle
-from topq.core.interpreter import Interpreter
-from topq.core.parser import parse_module
-from topq.core.printer import print_module
-from topq.core.quant import round_to_dtype
+from topq.ir.interpreter import Interpreter
+from topq.ir.parser import parse_module
+from topq.ir.printer import print_module
+from topq.ir.types import round_to_dtype
 from topq.core.target import CompiledModel, CompileJob, Target
 
 

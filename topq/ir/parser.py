@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 import struct
 
-from topq.core.errors import TopqError
-from topq.core.ir import Attr, Block, Function, Module, Operation, Region, Value
-from topq.core.types import Type, TypeParseError, parse_type
+from topq.ir.errors import TopqError
+from topq.ir.graph import Attr, Block, Function, Module, Operation, Region, Value
+from topq.ir.types import Type, TypeParseError, parse_type
 
 
 class IRParseError(TopqError):

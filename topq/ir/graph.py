@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from topq.core.errors import TopqError
-from topq.core.types import TensorType, Type
+from topq.ir.errors import TopqError
+from topq.ir.types import TensorType, Type
 
 #: Attribute values are plain Python data: bool, int, float, str, list, dict, or a Type.
 Attr = Any

@@ -40,17 +40,18 @@ from tqdm import tqdm
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
 from topq.core.family import ModelSpec
-from topq.core.interpreter import Interpreter, Step
-from topq.core.ir import Function, Module, Operation, Value
-from topq.core.quant import QuantizedWeight, QuantScheme, round_to_dtype
-from topq.core.quant_math import (
+from topq.ir.interpreter import Interpreter, Step
+from topq.ir.graph import Function, Module, Operation, Value
+from topq.core.quant import QuantizedWeight, QuantScheme
+from topq.ir.types import round_to_dtype
+from topq.quant.grid import (
     check_bits,
     output_error,
     quantize_groups,
     resolve_group_size,
 )
-from topq.core.reference_ops import mlp_activation
-from topq.core.safetensors_io import SafetensorsFile, write_safetensors
+from topq.ir.reference_ops import mlp_activation
+from topq.io.safetensors import SafetensorsFile, write_safetensors
 from topq.core.stages import StageConfig, build_program, rope_weights
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ import math
 import re
 import struct
 
-from topq.core.ir import Attr, Block, Function, Module, Operation, Region, Value
-from topq.core.types import ScalarType, TensorType
+from topq.ir.graph import Attr, Block, Function, Module, Operation, Region, Value
+from topq.ir.types import ScalarType, TensorType
 
 _ESCAPES = {'"': '\\"', "\\": "\\\\"}
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from topq.core.builder import Builder
-from topq.core.errors import TopqError
-from topq.core.ir import Block, Function, Module, Operation, Value
+from topq.ir.builder import Builder
+from topq.ir.errors import TopqError
+from topq.ir.graph import Block, Function, Module, Operation, Value
 
 Pattern = Callable[[Operation, "Rewriter"], bool]
 PatternTable = Mapping[str, Sequence[Pattern]]

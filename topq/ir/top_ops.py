@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.catalogue import AttrSpec, InferError, define
-from topq.core.types import TensorType, Type
+from topq.ir.catalogue import AttrSpec, InferError, define
+from topq.ir.types import TensorType, Type
 
 A = AttrSpec
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.errors import TopqError
+from topq.ir.errors import TopqError
 
 Kernel = Callable[[list[np.ndarray], dict[str, Any]], list[np.ndarray]]
 
@@ -508,7 +508,7 @@ def _smallest_k(key: np.ndarray, k: int) -> np.ndarray:
 
 
 def _matmul_int8(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
-    from topq.core.int8_math import matmul_int8
+    from topq.ir.int8 import matmul_int8
 
     _arity("top.MatMulInt8", inputs, 3, 4)
     return [matmul_int8(inputs[0], inputs[1], inputs[2], float(attrs.get("act_scale", 0.0)),

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from topq.core.catalogue import CATALOGUE, REQUIRED, InferError, OpDef
-from topq.core.errors import TopqError
-from topq.core.ir import Block, Function, Module, Operation
+from topq.ir.catalogue import CATALOGUE, REQUIRED, InferError, OpDef
+from topq.ir.errors import TopqError
+from topq.ir.graph import Block, Function, Module, Operation
 
 # Importing the Top dialect registers its ops; target dialects register theirs when their plugin loads.
-import topq.core.top_ops  # noqa: F401
+import topq.ir.top_ops  # noqa: F401
 
 
 class VerifyError(TopqError):

@@ -14,7 +14,7 @@ from functools import lru_cache
 import ml_dtypes
 import numpy as np
 
-from topq.core.errors import TopqError
+from topq.ir.errors import TopqError
 
 #: element type name → numpy dtype used to hold values of it (sub-byte ints are held unpacked).
 ELEMENT_TYPES: dict[str, np.dtype] = {
@@ -118,3 +118,12 @@ def dtype_name(array_dtype: np.dtype) -> str:
         if dt == array_dtype:
             return name
     raise TopqError(f"no IR element type for numpy dtype {array_dtype}")
+
+
+def round_to_dtype(array: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values as they are after storing in `dtype` (bf16/f16) and reading back."""
+    if dtype == "f32":
+        return np.asarray(array, dtype=np.float32)
+    if dtype not in ("bf16", "f16"):
+        raise TopqError(f"not a float dtype: {dtype}")
+    return np.asarray(array, dtype=np.float32).astype(ELEMENT_TYPES[dtype]).astype(np.float32)

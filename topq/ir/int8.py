@@ -34,7 +34,8 @@ import functools
 
 import numpy as np
 
-from topq.core.errors import TopqError
+from topq.ir.errors import TopqError
+from topq.ir.types import round_to_dtype
 
 QMAX = 127
 F32 = np.float32
@@ -62,8 +63,6 @@ def quantize_act(x: np.ndarray, scale: np.ndarray | float) -> np.ndarray:
 def quantize_weight(w: np.ndarray, scale_dtype: str = "f32") -> tuple[np.ndarray, np.ndarray]:
     """(int8 codes [N, K], w_scale [N] float32) per output channel; the scale is rounded to `scale_dtype` first so
     the codes are computed with the value the target multiplies by."""
-    from topq.core.quant import round_to_dtype
-
     w = np.asarray(w, dtype=F32)
     absmax = np.abs(w).max(axis=1)
     scale = round_to_dtype(np.where(absmax > 0, absmax / F32(QMAX), F32(1)).astype(F32), scale_dtype)

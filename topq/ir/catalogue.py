@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from topq.core.errors import TopqError, UnknownNameError
-from topq.core.types import ScalarType, TensorType, Type
+from topq.ir.errors import TopqError, UnknownNameError
+from topq.ir.types import ScalarType, TensorType, Type
 
 REQUIRED = object()
 

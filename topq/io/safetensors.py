@@ -21,7 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from topq.core.errors import TopqError
+from topq.ir.errors import TopqError
 
 # Safetensors dtype tag -> numpy dtype (little-endian, as the format prescribes).
 DTYPES: dict[str, np.dtype] = {

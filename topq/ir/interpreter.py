@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.catalogue import CATALOGUE
-from topq.core.errors import TopqError
-from topq.core.ir import Function, Module, Operation
-from topq.core.reference_ops import REFERENCE_OPS, Kernel
+from topq.ir.catalogue import CATALOGUE
+from topq.ir.errors import TopqError
+from topq.ir.graph import Function, Module, Operation
+from topq.ir.reference_ops import REFERENCE_OPS, Kernel
 
 WeightLoader = Callable[[str], np.ndarray]
 

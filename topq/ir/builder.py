@@ -16,12 +16,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from topq.core.catalogue import lookup_op
-from topq.core.errors import TopqError
-from topq.core.ir import Block, Function, Module, Operation, Region, Value
-from topq.core.types import Type
+from topq.ir.catalogue import lookup_op
+from topq.ir.errors import TopqError
+from topq.ir.graph import Block, Function, Module, Operation, Region, Value
+from topq.ir.types import Type
 
-import topq.core.top_ops  # noqa: F401  (registers the Top dialect)
+import topq.ir.top_ops  # noqa: F401  (registers the Top dialect)
 
 
 class _Dialect:

@@ -1,0 +1,1 @@
+"""Container I/O: a streaming, memory-mappable safetensors reader and writer (bundles, checkpoints, caches)."""

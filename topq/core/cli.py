@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -88,7 +89,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--top-k", default=0, type=click.IntRange(min=0))
 @click.option("--top-p", default=1.0, type=click.FloatRange(min=0.0, max=1.0, min_open=True))
 @click.option("--repetition-penalty", default=1.0, type=click.FloatRange(min=0.0, min_open=True))
-@click.option("--seed", type=int)
+@click.option("--seed", type=click.IntRange(min=0))
 @click.option("--logits-out", type=click.Path(dir_okay=False), help="Save float32 logits [steps, vocab] (.npy).")
 @click.option("--json", "as_json", is_flag=True)
 def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool, max_new_tokens: int,
@@ -100,6 +101,10 @@ def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool,
 
     if (prompt is None) == (prompt_ids is None):
         raise TopqError("give exactly one of --prompt and --prompt-ids")
+    if temperature is not None and not math.isfinite(temperature):
+        raise TopqError(f"--temperature must be a finite number, got {temperature}")
+    if logits_out and Path(bundle).exists() and Path(logits_out).resolve() == Path(bundle).resolve():
+        raise TopqError(f"--logits-out {logits_out} would overwrite the bundle")
     loaded = Bundle(bundle)
     session = Session(loaded)
     # Text prompts need the tokenizer; --prompt-ids uses it to show text when the bundle has one.

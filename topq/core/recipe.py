@@ -173,9 +173,40 @@ def _yaml_problem(exc: yaml.YAMLError, lines: bool = True) -> str:
     return f"invalid YAML: {exc}"
 
 
+#: A recipe is a few dozen values; aliases may share nodes, but the expanded document is bounded so that an alias
+#: bomb (each level referring to the previous one several times) cannot blow up validation or error messages.
+MAX_YAML_VALUES = 100_000
+
+
+class _TooLarge(yaml.YAMLError):
+    pass
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    if id(node) not in memo:
+        memo[id(node)] = 1  # a node reached again while being sized (a recursive alias) counts once
+        if isinstance(node, yaml.MappingNode):
+            size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            size = 1 + sum(_expanded_size(v, memo) for v in node.value)
+        else:
+            size = 1
+        memo[id(node)] = min(size, MAX_YAML_VALUES + 1)
+    return memo[id(node)]
+
+
 def _parse_yaml(text: str) -> Any:
     # RecursionError: absurdly nested flow collections ("[[[[...").
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise _TooLarge(f"the document expands to more than {MAX_YAML_VALUES} values (aliases)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 # --------------------------------------------------------------------------- paths and sources
@@ -196,7 +227,13 @@ def _show(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value)
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _set_label(text: str) -> str:
+    """`--set KEY=VALUE` as messages name it (a long value shortened)."""
+    return f"--set {text}" if len(text) <= 100 else f"--set {text[:97]}..."
 
 
 class _Sources:
@@ -209,7 +246,7 @@ class _Sources:
     def of(self, *paths: PathKey) -> str:
         for opath, text in reversed(self.overrides):  # the last override wins
             if any(p[: len(opath)] == opath for p in paths):
-                return f"--set {text}"
+                return _set_label(text)
         return self.file
 
     def fail(self, path: PathKey, msg: str, *also: PathKey) -> TopqError:
@@ -322,6 +359,9 @@ def _check_cross(data: dict[str, Any], src: _Sources) -> None:
     for i, chunk in enumerate(st["decode_chunks"]):
         if chunk > seq:
             raise src.fail(("stages", "decode_chunks", i), f"{chunk} exceeds stages.seq_length {seq}", seq_key)
+    if data["model"]["trust_remote_code"]:
+        raise src.fail(("model", "trust_remote_code"), "topq never runs code shipped with a checkpoint; only false "
+                       "is accepted")
 
 
 def _resolve_path(text: str, path: PathKey, src: _Sources) -> str:
@@ -339,7 +379,14 @@ def _resolve_path(text: str, path: PathKey, src: _Sources) -> str:
             raise src.fail(path, f"package {pkg!r} is not installed (pip install --no-deps {hint})")
         if not spec.submodule_search_locations:
             raise src.fail(path, f"{pkg!r} is a module, not a package directory")
-        return os.path.join(list(spec.submodule_search_locations)[0], rest)
+        if path != ("model", "path"):
+            raise src.fail(path, "pkg: names a file shipped inside an installed package: only model.path may use it")
+        root = os.path.realpath(list(spec.submodule_search_locations)[0])
+        parts = rest.split("/")
+        resolved = os.path.realpath(os.path.join(root, *parts))
+        if any(p in ("", ".", "..") for p in parts) or os.path.commonpath([root, resolved]) != root:
+            raise src.fail(path, f"{text!r} leaves package {pkg!r} (use a plain path inside the package)")
+        return resolved
     return os.path.abspath(os.path.expanduser(text))
 
 
@@ -357,10 +404,28 @@ def _resolve_paths(data: dict[str, Any], src: _Sources) -> dict[str, str]:
     return original
 
 
+def _check_output(data: dict[str, Any], src: _Sources) -> None:
+    """The bundle must not land on an input: the checkpoint (its file, or a file of its directory other than an
+    earlier .topq bundle), the calibration data or the int8 table. Paths are compared resolved (symlinks, `..`)."""
+    output = os.path.realpath(data["output"]["path"])
+    inputs: dict[PathKey, Any] = {("model", "path"): data["model"]["path"],
+                                  ("quant", "calibration", "data"): data["quant"]["calibration"]["data"],
+                                  ("quant", "table"): data["quant"].get("table")}
+    for key, value in inputs.items():
+        if value is None:
+            continue
+        source = os.path.realpath(value)
+        in_checkpoint_dir = (os.path.isdir(source) and os.path.dirname(output) == source
+                             and os.path.exists(output) and not output.endswith(".topq"))
+        if output == source or in_checkpoint_dir:
+            raise src.fail(("output", "path"), f"{data['output']['path']} would overwrite the input {_fmt(key)}", key)
+
+
 def _validate(raw: Any, src: _Sources) -> "Recipe":
     data = _check_section(SCHEMA, raw, (), src)
     _check_cross(data, src)
     original = _resolve_paths(data, src)
+    _check_output(data, src)
     return Recipe(data, src.file, original)
 
 
@@ -379,7 +444,7 @@ def _lookup_spec(keys: Sequence[str], where: str) -> Field | Schema:
 
 
 def _apply_override(raw: dict[Any, Any], text: str, src: _Sources) -> None:
-    where = f"--set {text}"
+    where = _set_label(text)
     if "=" not in text:
         raise TopqError(f"{where}: expected KEY=VALUE (e.g. quant.group_size=128)")
     key_text, value_text = text.split("=", 1)

@@ -53,7 +53,8 @@ def recipe_file(directory: Path, model: str, output: str, extra: str = "") -> Pa
 
 @pytest.fixture
 def checkpoint(tiny_host: TinyFactory, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(tiny_host("llama").checkpoint, tmp_path / "ck", ignore=shutil.ignore_patterns("*.topq")))
+    return Path(shutil.copytree(tiny_host("llama").checkpoint, tmp_path / "ck",
+                                ignore=shutil.ignore_patterns("*.topq")))
 
 
 # ----------------------------------------------------------------------------------------- code from a checkpoint
@@ -80,8 +81,11 @@ def test_trust_remote_code_true_is_refused(capsys: pytest.CaptureFixture[str], c
                  "only false")
 
 
-@pytest.mark.parametrize("tokenizer", [{"tokenization_evil.py": "import os\n"},
-                                       {"tokenizer_config.json": json.dumps({"auto_map": {"AutoTokenizer": ["x.T", None]}})}])
+CODE_IN_TOKENIZER = [{"tokenization_evil.py": "import os\n"},
+                     {"tokenizer_config.json": json.dumps({"auto_map": {"AutoTokenizer": ["x.T", None]}})}]
+
+
+@pytest.mark.parametrize("tokenizer", CODE_IN_TOKENIZER)
 def test_bundle_carrying_code_is_refused(capsys: pytest.CaptureFixture[str], tiny_host: TinyFactory, tmp_path: Path,
                                          tokenizer: dict[str, str]) -> None:
     source = tiny_host("llama").bundle
@@ -123,7 +127,8 @@ def test_output_over_calibration_data_is_refused(capsys: pytest.CaptureFixture[s
                                                  tmp_path: Path) -> None:
     data = tmp_path / "calib.txt"
     data.write_text("some calibration text\n")
-    recipe = recipe_file(tmp_path, str(checkpoint), str(data), f"quant: {{calibration: {{data: {json.dumps(str(data))}}}}}\n")
+    recipe = recipe_file(tmp_path, str(checkpoint), str(data),
+                         f"quant: {{calibration: {{data: {json.dumps(str(data))}}}}}\n")
     expect_error(capsys, ["convert", recipe], "would overwrite the input quant.calibration.data", untouched=(data,))
 
 
@@ -152,7 +157,8 @@ def test_yaml_alias_bomb_in_a_recipe(capsys: pytest.CaptureFixture[str], checkpo
 
 def test_yaml_alias_bomb_through_set(capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path) -> None:
     recipe = recipe_file(tmp_path, str(checkpoint), str(tmp_path / "out.topq"))
-    err = expect_error(capsys, ["convert", recipe, "--set", "quant.bits={" + ", ".join(_alias_bomb()) + "}"], "--set quant.bits",
+    bomb = "{" + ", ".join(_alias_bomb()) + "}"
+    err = expect_error(capsys, ["convert", recipe, "--set", f"quant.bits={bomb}"], "--set quant.bits",
                        "expands to more than")
     assert len(err) < 300
 

@@ -7,6 +7,7 @@ into place, so a failed or interrupted write never leaves a half-written file at
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -248,9 +249,8 @@ class SafetensorsWriter:
         if isinstance(data, FileSlice):
             if data.length != self._entries[name]["data_offsets"][1] - self._entries[name]["data_offsets"][0]:  # type: ignore[index]
                 raise TopqError(f"{self.path}: tensor {name} has the wrong size")
-            if data.sha256 is not None and hasattr(os, "copy_file_range"):
-                self._copy_in_kernel(data, name)  # digest known: the bytes need not pass through Python
-                return data.sha256
+            if data.sha256 is not None and hasattr(os, "copy_file_range") and self._copy_in_kernel(data, name):
+                return data.sha256  # digest known: the bytes need not pass through Python
             with open(data.path, "rb") as src:
                 src.seek(data.offset)
                 left = data.length
@@ -273,17 +273,28 @@ class SafetensorsWriter:
             self._fh.write(raw.data)
         return digest.hexdigest()
 
-    def _copy_in_kernel(self, data: FileSlice, name: str) -> None:
+    def _copy_in_kernel(self, data: FileSlice, name: str) -> bool:
+        """Copy without reading the bytes into Python; False (nothing written) where the kernel cannot, e.g. from
+        the build cache into an output on another file system (EXDEV): the caller copies through user space."""
         self._fh.flush()
+        start = self._fh.tell()
         with open(data.path, "rb") as src:
             offset, left = data.offset, data.length
             while left:
-                done = os.copy_file_range(src.fileno(), self._fh.fileno(), left, offset)
+                try:
+                    done = os.copy_file_range(src.fileno(), self._fh.fileno(), left, offset)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    self._fh.seek(start)
+                    self._fh.truncate()
+                    return False
                 if done <= 0:
                     raise TopqError(f"{data.path}: ended early while copying {name}")
                 offset += done
                 left -= done
         self._fh.seek(0, os.SEEK_END)
+        return True
 
     def finish(self, metadata: dict[str, str]) -> None:
         try:

@@ -8,6 +8,7 @@ into place, so a failed or interrupted write never leaves a half-written file at
 from __future__ import annotations
 
 import errno
+import glob
 import hashlib
 import json
 import math
@@ -175,6 +176,21 @@ def _code_of(dtype: np.dtype) -> str:
         raise TopqError(f"cannot store dtype {dtype} in safetensors") from None
 
 
+def _remove_stale_temp_files(path: Path) -> None:
+    """Temp files of earlier writes of `path` whose writer process is gone (killed before it could clean up).
+    Their names carry the writer's pid; a live writer's file (e.g. a concurrent conversion) is left alone."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*-*.tmp"):
+        pid_text = tmp.name[len(path.name) + 2:].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (PermissionError, OverflowError):
+            pass  # another user's live process, or no such pid at all on this system: leave it
+
+
 @dataclass(frozen=True)
 class FileSlice:
     """Bytes of another file, copied in chunks (a cached tensor goes into a bundle without being loaded)."""
@@ -214,7 +230,8 @@ class SafetensorsWriter:
         first = self._header(metadata)
         self._header_len = len(first) + ((-(8 + len(first))) % DATA_ALIGN)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        _remove_stale_temp_files(self.path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.{os.getpid()}-", suffix=".tmp", dir=self.path.parent)
         self.tmp = Path(tmp)
         self._fh = os.fdopen(fd, "wb")
         self._next = 0

@@ -47,8 +47,16 @@ def merge_options(schemes: Iterable[QuantScheme]) -> tuple[Option, ...]:
                 merged[option.name] = (option, scheme.name)
             elif seen[0] != option:
                 raise TopqError(f"quant schemes {seen[1]!r} and {scheme.name!r} declare option {option.name!r} "
-                                f"differently ({seen[0].spec} vs {option.spec})")
+                                f"differently ({_describe(seen[0].spec)} vs {_describe(option.spec)})")
     return tuple(option for option, _ in merged.values())
+
+
+def _describe(spec: Field) -> str:
+    """A declaration in a few words: "int, default 64, >= -1"."""
+    parts = [spec.type + (" or null" if spec.nullable else ""), f"default {spec.default!r}"]
+    parts += [f"one of {'/'.join(spec.choices)}"] if spec.choices else []
+    parts += [f"{op} {bound:g}" for op, bound in ((">=", spec.ge), (">", spec.gt), ("<=", spec.le)) if bound is not None]
+    return ", ".join(parts) + (f", help {spec.help!r}" if spec.help else "")
 
 
 @dataclass(frozen=True)

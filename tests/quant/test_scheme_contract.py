@@ -74,9 +74,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def convert_rounder(checkpoint: Path, out: Path, chip: str, rounding: str = "nearest") -> Bundle:
+def convert_rounder(checkpoint: Path, out: Path, chip: str, rounding: str = "nearest",
+                    scheme: str = "test-rounder") -> Bundle:
     recipe = recipe_from_defaults(model={"path": str(checkpoint)}, target={"chip": chip}, stages=STAGES,
-                                  quant={"scheme": "test-rounder", "group_size": 32, "rounding": rounding},
+                                  quant={"scheme": scheme, "group_size": 32, "rounding": rounding},
                                   output={"path": str(out)})
     convert(recipe, progress=False)
     return Bundle(out)
@@ -92,6 +93,12 @@ def test_third_party_scheme_runs_on_host_and_bm1684x(with_rounder: None, tiny: P
     assert "model.layers.0.mlp.down_proj.weight.packed" in chip.tensor_names()
     assert chip.meta["target_meta"]["mode"] == "test-rounder" and chip.meta["target_meta"]["dtype"] == "bf16"
     assert "tpu.A16MatMul" in chip.meta["target_meta"]["op_counts"]
+    # The performance model reads the mode from the compiled program (W4, bf16), not from the scheme's name.
+    target = topq.core.plugins.get_plugins().targets.get("bm1684x")
+    rtn = convert_rounder(tiny, tmp_path / "rtn.topq", "bm1684x", scheme="w4bf16")  # the same layout, by name
+    predicted, by_name = target.report(chip)["predicted"], target.report(rtn)["predicted"]
+    assert predicted.pop("quant") == "test-rounder" and by_name.pop("quant") == "w4bf16"
+    assert predicted == by_name
     # ... and computes what the host computes with the same integers.
     a, b = Session(host).feed(IDS, all_logits=True), Session(chip).feed(IDS, all_logits=True)
     assert float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b)) >= 0.999

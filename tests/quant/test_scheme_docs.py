@@ -20,7 +20,7 @@ def test_every_contract_field_has_a_table_row(contract: type) -> None:
     docs = PLUGINS_MD.read_text()
     for f in dataclasses.fields(contract):
         # a row names the field first: "| `name` |", or "| `ge` / `gt` / `le` |" for a group of fields
-        assert re.search(rf"^\| (`\w+`(,| /) )*`{f.name}`( /|,| \|)", docs, flags=re.M), \
+        assert re.search(rf"^\| (`\w+`(,| /) )*`{f.name}`( /|,| \|)", docs, flags=re.MULTILINE), \
             f"docs/plugins.md has no table row for {contract.__name__}.{f.name}"
 
 

@@ -153,10 +153,6 @@ class QuantScheme:
     product: Callable[[Mapping[str, Any]], SchemeProduct] | None = None
     stored: Callable[[WeightStore, str], QuantizedWeight | None] | None = None
 
-    @property
-    def is_float(self) -> bool:
-        return self.weight_bits is None
-
     def produces(self, options: Mapping[str, Any]) -> SchemeProduct:
         """What this scheme produces with the recipe's `quant` options."""
         if self.product is not None:

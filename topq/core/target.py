@@ -85,7 +85,6 @@ def float_only(product: SchemeProduct) -> str | None:
 
 def runs_everything(product: SchemeProduct) -> None:
     """`Target.refuses` of a target that stores whatever a scheme produces (the host)."""
-    return None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from topq.ir.types import round_to_dtype
 from topq.quant.grid import resolve_group_size
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
-from topq.core.target import CompileJob
+from topq.core.target import CompileJob, Target
 from topq.ir.types import ELEMENT_TYPES
 from topq.ir.verifier import verify_module
 
@@ -120,9 +120,10 @@ class Quantizer:
     """Per weight: the quantized values a target should pack (None = keep it in the compute dtype), and their layout.
 
     Linears follow the scheme (calibrated solvers first, then the checkpoint's own values for a scheme that reads
-    them (`QuantScheme.stored`, e.g. `auto`), then round-to-nearest). The lm_head (or the tied embedding used as lm_head) follows `quant.lm_head`: a float mode keeps it
-    unquantized; a weight-only scheme name quantizes it with that scheme. Values are computed on demand and not
-    kept, so a target can stream weights one at a time; the layout (`spec`) is cheap and cached.
+    them (`QuantScheme.stored`, e.g. `auto`), then round-to-nearest). The lm_head (or the tied embedding used as
+    lm_head) follows `quant.lm_head`: a float mode keeps it unquantized; a weight-only scheme name quantizes it with
+    that scheme. Values are computed on demand and not kept, so a target can stream weights one at a time; the
+    layout (`spec`) is cheap and cached.
     """
 
     model: LoadedModel
@@ -227,7 +228,7 @@ def dump_ir(directory: Path, dialect: str, module_text: str | Module) -> None:
         (out / f"{function.name}.mlir").write_text(print_function(function))
 
 
-def check_target_product(target: Any, product: SchemeProduct, lm_head: SchemeProduct) -> None:
+def check_target_product(target: Target, product: SchemeProduct, lm_head: SchemeProduct) -> None:
     """Refuse, before any work, what the target cannot store: the scheme's product, and the weight bits of the
     lm_head's scheme (`quant.lm_head`), which computes in the model's dtype."""
     for what in (product, SchemeProduct(product.compute_dtype, lm_head.weight_bits)):

@@ -12,15 +12,19 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from topq.core.errors import TopqError
 
+if TYPE_CHECKING:
+    from topq.core.quant import QuantizedWeight
+
 __all__ = [
     "Checkpoint",
     "CheckpointFormat",
+    "QuantizedWeightStore",
     "WeightStore",
     "load_tokenizer",
     "normalize_rope",
@@ -52,6 +56,15 @@ class WeightStore(Protocol):
 
     def get_raw(self, name: str) -> np.ndarray:
         """The stored array without conversion (read-only; GGUF quant blocks as uint8 rows)."""
+        ...
+
+
+@runtime_checkable
+class QuantizedWeightStore(WeightStore, Protocol):
+    """A WeightStore of an already-quantized checkpoint (GPTQ / AWQ / AutoRound / compressed-tensors, GGUF)."""
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """The checkpoint's own integers for a linear weight, unrequantized; None for a weight stored as float."""
         ...
 
 

@@ -314,13 +314,25 @@ def plugins(as_json: bool) -> None:
 
     loaded = get_plugins()
     rows = [{"name": p.name, "source": p.source, "registered": p.registered} for p in loaded.info]
+    schemes = {s.name: [{"name": o.name, "type": o.spec.type, "default": o.spec.default, "doc": o.spec.help,
+                         "choices": list(o.spec.choices), "nullable": o.spec.nullable} for o in s.options]
+               for s in loaded.schemes}
     if as_json:
-        _emit_json({"plugins": rows})
+        _emit_json({"plugins": rows, "scheme_options": schemes})
         return
     for row in rows:
         click.echo(f"{row['name']}  ({row['source']})")
         for kind, names in row["registered"].items():
             click.echo(f"    {kind}: {', '.join(names)}")
+    click.echo("scheme options (quant.<name>):")
+    for scheme, options in schemes.items():
+        if options:
+            click.echo(f"    {scheme}: " + ", ".join(f"{o['name']} ({o['type']}, default {_yaml_value(o['default'])})"
+                                             for o in options))
+
+
+def _yaml_value(value: Any) -> str:
+    return json.dumps(value)  # null / true / 64 / "minmax": how a recipe would spell it
 
 
 def _interrupt_on_sigterm() -> None:

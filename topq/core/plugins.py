@@ -18,6 +18,8 @@ import pluggy
 
 from topq.core import hookspecs
 from topq.core.errors import TopqError, UnknownNameError
+from topq.core.quant import merge_options
+from topq.core.recipe import CORE_SCHEMA, Schema, recipe_schema
 
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.formats.hf",
@@ -95,6 +97,8 @@ class Plugins:
     schemes: Registry[Any]
     targets: Registry[Any]
     info: list[PluginInfo]
+    #: the recipe schema: the core's keys plus every loaded scheme's options
+    recipe_schema: Schema = field(default_factory=lambda: dict(CORE_SCHEMA))
 
     def registry(self, hook: str) -> Registry[Any]:
         return {
@@ -150,6 +154,8 @@ def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
                 info[owner].registered.setdefault(kind, []).append(item.name)
 
             impl.function(register=register)
+    # Two schemes declaring one option differently stop here, when plugins load, not when a recipe is read.
+    plugins.recipe_schema = recipe_schema((o.name, o.spec) for o in merge_options(plugins.schemes))
     return plugins
 
 

@@ -42,7 +42,7 @@ from topq.core.executors import InlineExecutor, TaskExecutor, resolve
 from topq.core.family import ModelSpec
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.graph import Function, Module, Operation, Value
-from topq.core.quant import QuantizedWeight, QuantScheme
+from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
@@ -51,6 +51,7 @@ from topq.quant.grid import (
     resolve_group_size,
 )
 from topq.ir.reference_ops import mlp_activation
+from topq.quant.options import ACT_DTYPE, WEIGHT_OPTIONS, act_dtype
 from topq.io.safetensors import SafetensorsFile, write_safetensors
 from topq.core.stages import StageConfig, build_program, rope_weights
 
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CalibrationResult", "FoldTarget", "GroupInputs", "InputStats", "LayerState", "calibration_scheme",
     "calibration_windows", "load_calibration", "quantization_report", "read_token_stream", "run_calibration",
-    "sample_windows", "save_calibration", "scheme_options",
+    "sample_windows", "save_calibration", "weight_options",
 ]
 
 # ================================================================================ calibration data
@@ -815,8 +816,9 @@ def quantization_report(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
     The layer loop runs on the float model (nothing is published, so every layer sees the float model's
     inputs, which are also what the RTN weights were chosen without). Returns a result with no values."""
     assert scheme.quantize is not None
-    options = {k: v for k, v in recipe.to_dict()["quant"].items() if v is not None}
-    options["act_dtype"] = scheme.compute_dtype
+    quant = recipe.to_dict()["quant"]
+    options = {k: v for k, v in quant.items() if v is not None}
+    options["act_dtype"] = scheme.produces(quant).compute_dtype
     quantize = scheme.quantize
 
     def report(group: GroupInputs, state: LayerState, _options: Mapping[str, Any]) -> None:
@@ -833,42 +835,35 @@ def quantization_report(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
 # ================================================================================ schemes
 
 
-def scheme_options(recipe: Recipe) -> dict[str, Any]:
-    """The `quant` options a calibrated weight-only scheme uses, checked and defaulted."""
-    q = recipe.quant
-    bits = 4 if q.bits is None else int(q.bits)
+def weight_options(quant: Mapping[str, Any], scheme: str) -> dict[str, Any]:
+    """The options every calibrated weight-only scheme reads (bits, group_size, symmetric, act_dtype), checked
+    and defaulted; a scheme adds its own (`calibration_scheme`'s `read_options`)."""
+    bits = 4 if quant.get("bits") is None else int(quant["bits"])
     if bits not in (4, 8):
-        raise TopqError(f"quant.bits must be 4 or 8 for scheme {q.scheme}, got {bits}")
-    act_dtype = q.act_dtype or "bf16"
-    if act_dtype not in ("bf16", "f16", "f32"):
-        raise TopqError(f"quant.act_dtype must be bf16, f16 or f32, got {act_dtype!r}")
-    iters = int(q.iters)
-    return {
-        "bits": bits,
-        "group_size": int(q.group_size),
-        "symmetric": bool(q.symmetric),
-        "act_dtype": act_dtype,
-        "act_order": bool(q.act_order),
-        "damp": float(q.damp),
-        "block_size": int(q.block_size),
-        "clip": bool(q.clip),
-        "iters": iters,
-        "lr": float(q.lr) if q.lr is not None else 1.0 / max(iters, 1),
-    }
+        raise TopqError(f"quant.bits must be 4 or 8 for scheme {scheme}, got {bits}")
+    return {"bits": bits, "group_size": int(quant["group_size"]), "symmetric": bool(quant["symmetric"]),
+            "act_dtype": act_dtype(quant)}
 
 
-_COMMON_OPTIONS = ("bits", "group_size", "symmetric", "act_dtype", "calibration")
-
-
-def calibration_scheme(name: str, description: str, solve: GroupSolver,
-                       extra_options: tuple[str, ...] = ()) -> QuantScheme:
+def calibration_scheme(name: str, description: str, solve: GroupSolver, own_options: tuple[Option, ...] = (),
+                       read_options: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda quant: {},
+                       ) -> QuantScheme:
     """A weight-only QuantScheme whose `calibrate` runs the layer loop with `solve`.
 
-    The rewritten float tensors (`CalibrationResult.float_weights`) are installed by the pipeline
-    (`make_quantizer`) in `model.extra_weights`, which `LoadedModel.weight` reads before the checkpoint."""
+    `own_options` are the scheme's recipe options beside bits / group_size / symmetric / act_dtype;
+    `read_options(quant)` checks and defaults them (the solver gets both). The scheme produces `bits`-bit weights
+    computed in `act_dtype` (default bf16). The rewritten float tensors (`CalibrationResult.float_weights`) are
+    installed by the pipeline (`make_quantizer`) in `model.extra_weights`, which `LoadedModel.weight` reads before
+    the checkpoint."""
+
+    def options_of(quant: Mapping[str, Any]) -> dict[str, Any]:
+        return {**weight_options(quant, name), **read_options(quant)}
+
+    def product(quant: Mapping[str, Any]) -> SchemeProduct:
+        return SchemeProduct(act_dtype(quant), (4 if quant.get("bits") is None else int(quant["bits"]),))
 
     def calibrate(model: LoadedModel, recipe: Recipe, *, executor: TaskExecutor | None = None) -> CalibrationResult:
-        options = scheme_options(recipe)
+        options = options_of(recipe.to_dict()["quant"])
         windows = calibration_windows(model, recipe)
         return run_calibration(model, windows, solve, options, desc=name, executor=executor)
 
@@ -880,5 +875,5 @@ def calibration_scheme(name: str, description: str, solve: GroupSolver,
                                bool(options.get("symmetric", False)))
 
     return QuantScheme(name, description, compute_dtype="bf16", weight_bits=4,
-                       options=_COMMON_OPTIONS + extra_options, needs_calibration=True,
-                       quantize=quantize, calibrate=calibrate)
+                       options=(*WEIGHT_OPTIONS, ACT_DTYPE, *own_options), needs_calibration=True,
+                       quantize=quantize, calibrate=calibrate, product=product)

@@ -39,14 +39,25 @@ from topq.ir.int8 import QMAX, quantize_weight
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.graph import Function, Module, Operation, Value
 from topq.quant.observers import Observer
-from topq.core.quant import QuantScheme
+from topq.core.quant import Option, QuantScheme, SchemeProduct
+from topq.core.recipe import Field
 from topq.ir.types import round_to_dtype
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_activation
 from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.ir.types import TensorType
 
-OPTIONS = ("observer", "percentile", "smooth_alpha", "dynamic_tokens", "budget", "table", "calibration", "lm_head")
+OPTIONS = (
+    Option("observer", Field("str", "minmax", choices=("minmax", "percentile", "kl"),
+                             help="int8: activation range observer")),
+    Option("percentile", Field("float", 99.99, gt=0, le=100, help="int8: percentile for the percentile observer")),
+    Option("smooth_alpha", Field("float", None, nullable=True, ge=0, le=1,
+                                 help="int8: SmoothQuant migration strength; null = off")),
+    Option("dynamic_tokens", Field("bool", False, help="int8: per-token dynamic activation scales")),
+    Option("budget", Field("float", None, nullable=True, ge=0,
+                           help="int8: mixed-precision perplexity budget; null = all int8")),
+    Option("table", Field("str", None, nullable=True, path=True, help="int8: per-layer mode file")),
+)
 TABLE_VERSION = 1
 OUT = ":out"  # observer key suffix of a linear's output (static requantization's out_scale)
 SCALE_DTYPE = "bf16"  # weight scales are stored (and multiplied) in the compute dtype
@@ -814,6 +825,8 @@ SCHEME = QuantScheme(
     needs_calibration=True,
     calibrate=calibrate,
     restore=restore,
+    # bf16 everywhere but the int8 linears, whose weights are per-channel 8-bit
+    product=lambda options: SchemeProduct("bf16", (8,), int8_activations=True),
 )
 
 

@@ -40,8 +40,9 @@ from tqdm import tqdm
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
 from topq.core.family import ModelSpec
+from topq.ir.analysis import linear_uses
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.graph import Function, Module, Operation, Value
+from topq.ir.graph import Function, Module, Operation
 from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
@@ -50,7 +51,8 @@ from topq.quant.grid import (
     quantize_groups,
     resolve_group_size,
 )
-from topq.ir.reference_ops import mlp_activation
+from topq.ir.reference_ops import mlp_hidden
+from topq.quant.sites import INPUT, FoldTarget, group_sites
 from topq.io.safetensors import SafetensorsFile, write_safetensors
 from topq.core.stages import StageConfig, build_program, rope_weights
 
@@ -419,23 +421,6 @@ class LayerState:
 # ================================================================================ the graph side
 
 
-@dataclass(frozen=True)
-class FoldTarget:
-    """Where a per-input-channel scale s of a group can be undone (AWQ: x/s happens in the producer of x).
-
-    kind "norm": the group's input is RMSNorm(x)·w (or LayerNorm): divide `weight` (and `bias`) by s.
-    kind "rows": the input channels are output rows of a linear (`weight` [R, ·], `bias`): divide rows by s_r.
-    `tie` maps the group's K input channels to the R producer channels when several inputs share one producer
-    channel (grouped-query attention: every query head of a group reads the same value head); s must then be
-    equal across tied channels, s = s_r[tie]. None means one-to-one.
-    """
-
-    kind: str
-    weight: str
-    bias: str | None = None
-    tie: np.ndarray | None = None
-
-
 @dataclass
 class GroupInputs:
     """One quant group of one layer as a solver sees it."""
@@ -452,119 +437,30 @@ class _GroupPlan:
     keys: tuple[str, ...]
     names: tuple[str, ...]
     op: Operation  # the op whose input is captured
-    kind: str  # "input": operand 0; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside a top.MLP
+    kind: str  # "input": operand `operand`; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside a top.MLP
     k: int
     fold: FoldTarget | None = None
-
-
-def _weight_name(value: Value) -> str | None:
-    owner = value.owner
-    if isinstance(owner, Operation) and owner.name == "top.Weight":
-        return str(owner.attrs["name"])
-    return None
-
-
-def _consumers(function: Function) -> dict[int, list[Operation]]:
-    users: dict[int, list[Operation]] = {}
-    for op in function.ops:
-        for v in op.operands:
-            users.setdefault(id(v), []).append(op)
-    for v in function.results:
-        users.setdefault(id(v), []).append(None)  # type: ignore[arg-type]  # a function output
-    return users
+    operand: int = 0
 
 
 def _find_groups(function: Function, family: Any, spec: Any, layer: int) -> list[_GroupPlan]:
     """The quant groups of one block function, in execution order, with what to capture and where to fold."""
-    uses: dict[str, tuple[Operation, str]] = {}  # weight name → (op, role)
-    for op in function.ops:
-        if op.name == "top.MatMul":
-            name = _weight_name(op.operands[1])
-            if name:
-                uses[name] = (op, "matmul")
-        elif op.name == "top.MLP":
-            for role, v in zip(("gate", "up", "down"), op.operands[1:4]):
-                name = _weight_name(v)
-                if name:
-                    uses[name] = (op, role)
     key_of = {template.format(i=layer): key for key, template in family.layer_weights.items()}
-    groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in uses if n in key_of]
+    linears = list(dict.fromkeys(use.weight for use in linear_uses(function)))  # in order of first use
+    groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in linears if n in key_of]
     covered = {k for g in groups for k in g}
-    groups += [(key_of[n],) for n in uses if n in key_of and key_of[n] not in covered]
-    users = _consumers(function)
-    order = {id(op): i for i, op in enumerate(function.ops)}
-    plans = []
-    for keys in groups:
-        names = tuple(family.layer_weights[key].format(i=layer) for key in keys)
-        missing = [n for n in names if n not in uses]
-        if missing:
-            raise TopqError(f"quant group {'/'.join(keys)}: {missing[0]} is not a linear of block_{layer}")
-        roles = {uses[n][1] for n in names}
-        ops = {id(uses[n][0]): uses[n][0] for n in names}
-        if roles == {"down"}:
-            op = uses[names[0]][0]
-            plans.append(_GroupPlan(keys, names, op, "mlp_hidden", op.operands[3].shape[-1],
-                                    FoldTarget("rows", _weight_name(op.operands[2]) or "")))
-            continue
-        inputs = {id(op.operands[0]) for op in ops.values()}
-        if len(inputs) != 1 or not roles <= {"matmul", "gate", "up"}:
-            raise TopqError(f"quant group {'/'.join(keys)} of block_{layer} does not share one input")
-        first = min(ops.values(), key=lambda o: order[id(o)])
-        x = first.operands[0]
-        plans.append(_GroupPlan(keys, names, first, "input", x.shape[-1],
-                                _fold_target(x, set(ops), users, spec)))
-    plans.sort(key=lambda p: order[id(p.op)] + (0.5 if p.kind == "mlp_hidden" else 0))
-    return plans
-
-
-def _fold_target(x: Value, group_ops: set[int], users: Mapping[int, list[Operation]], spec: Any) -> FoldTarget | None:
-    """Where x's producer can absorb a per-channel 1/s, if anywhere (x must feed only this group)."""
-    if any(u is None or id(u) not in group_ops for u in users.get(id(x), [])):
-        return None
-    producer = x.owner
-    if not isinstance(producer, Operation):
-        return None
-    if producer.name == "top.RMSNorm" and len(producer.operands) == 2:
-        weight = _weight_name(producer.operands[1])
-        return FoldTarget("norm", weight) if weight else None
-    if producer.name == "top.LayerNorm" and len(producer.operands) == 3:
-        weight, bias = _weight_name(producer.operands[1]), _weight_name(producer.operands[2])
-        return FoldTarget("norm", weight, bias) if weight and bias else None
-    if producer.name == "top.FAttention" and len(producer.operands) == 3:
-        # o_proj's input channel (head h, dim d) is a weighted sum of value channel (h // group, d): scaling value
-        # row r by 1/s_r scales it exactly. Only when v comes straight from a linear (reshaped to heads).
-        v = producer.operands[2]
-        reshape = v.owner
-        if not (isinstance(reshape, Operation) and reshape.name == "top.Reshape"):
-            return None
-        # v is also a block output (the KV cache): scaled values there are fine, because every stage reads the
-        # cache through the same scaled v_proj / o_proj pair.
-        if any(u is not producer and u is not None for u in users.get(id(v), [])) \
-                or len(users.get(id(reshape.operands[0]), [])) != 1:
-            return None
-        linear = reshape.operands[0].owner
-        if not (isinstance(linear, Operation) and linear.name == "top.MatMul"
-                and linear.attrs.get("right_transpose")):
-            return None
-        weight = _weight_name(linear.operands[1])
-        bias = _weight_name(linear.operands[2]) if len(linear.operands) > 2 else None
-        if weight is None:
-            return None
-        q_head, kv_head = int(producer.attrs["q_head"]), int(producer.attrs["kv_head"])
-        d = v.shape[-1]
-        channel = np.arange(q_head * d)
-        tie = (channel // d) // (q_head // kv_head) * d + channel % d
-        return FoldTarget("rows", weight, bias, tie)
-    return None
+    groups += [(key_of[n],) for n in linears if n in key_of and key_of[n] not in covered]
+    names = [tuple(family.layer_weights[key].format(i=layer) for key in keys) for keys in groups]
+    sites = group_sites(function, names, lambda g: "/".join(groups[g]))
+    return [_GroupPlan(groups[site.group], site.names, site.op, site.kind, site.k, site.fold, site.operand)
+            for site in sites if site.group is not None]
 
 
 # ================================================================================ running a layer
 
 
 class _StopLayer(Exception):
-    """Raised by the capture hook once the wanted input is seen: the rest of the layer is not needed."""
-
-
+    """Raised by the capture tap once the wanted input is seen: the rest of the layer is not needed."""
 
 
 class _CaptureInterpreter(Interpreter):
@@ -585,7 +481,9 @@ class _CaptureInterpreter(Interpreter):
         return array
 
     def capture(self, plan: _GroupPlan | None, stats: InputStats | None) -> None:
+        """Feed `plan`'s input to `stats` (through the interpreter's tap) and stop the layer there; None: run it."""
         self.plan_, self.stats = plan, stats
+        self.tap = None if plan is None else self._capture
 
     def run(self, name: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         if self.state.version != self._version:  # weights changed: rebuild plans (they hold the weight arrays)
@@ -593,18 +491,16 @@ class _CaptureInterpreter(Interpreter):
             self._version = self.state.version
         return super().run(name, inputs)
 
-    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    def _capture(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         plan = self.plan_
-        if plan is not None and step.op is plan.op:
-            assert self.stats is not None
-            if plan.kind == "input":
-                self.stats.add(inputs[0])
-            else:
-                x, wg, wu = inputs[0], inputs[1], inputs[2]
-                x2 = x.reshape(-1, x.shape[-1])
-                self.stats.add(mlp_activation(str(step.attrs.get("act", "silu")), x2 @ wg.T) * (x2 @ wu.T))
-            raise _StopLayer
-        return step.kernel(inputs, step.attrs)
+        if plan is None or step.op is not plan.op:
+            return
+        assert self.stats is not None
+        if plan.kind == INPUT:
+            self.stats.add(inputs[plan.operand])
+        else:
+            self.stats.add(mlp_hidden(inputs[0], inputs[1], inputs[2], str(step.attrs.get("act", "silu")))[2])
+        raise _StopLayer
 
 
 GroupSolver = Callable[[GroupInputs, LayerState, Mapping[str, Any]], None]

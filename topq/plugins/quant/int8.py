@@ -36,12 +36,15 @@ from tqdm import tqdm
 import topq
 from topq.core.errors import TopqError
 from topq.ir.int8 import QMAX, quantize_weight
+from topq.ir.analysis import LinearUse, op_linears, weight_name
+from topq.ir.catalogue import Linear, traits_of
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.graph import Function, Module, Operation, Value
 from topq.quant.observers import Observer
+from topq.quant.sites import MLP_HIDDEN, shared_input_sites
 from topq.core.quant import QuantScheme
 from topq.ir.types import round_to_dtype
-from topq.ir.reference_ops import REFERENCE_OPS, mlp_activation
+from topq.ir.reference_ops import REFERENCE_OPS, mlp_hidden
 from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.ir.types import TensorType
@@ -135,107 +138,74 @@ class Int8Plan:
 # ============================================================================ the graph side
 
 
-def _weight_name(value: Value) -> str | None:
-    owner = value.owner
-    if isinstance(owner, Operation) and owner.name == "top.Weight":
-        return str(owner.attrs["name"])
-    return None
-
-
-def _users(function: Function) -> dict[int, list[Operation | None]]:
-    users: dict[int, list[Operation | None]] = {}
-    for op in function.ops:
-        for v in op.operands:
-            users.setdefault(id(v), []).append(op)
-    for v in function.results:
-        users.setdefault(id(v), []).append(None)
-    return users
-
-
-def _is_linear(op: Operation, linears: frozenset[str]) -> str | None:
-    if op.name == "top.MatMul" and op.attrs.get("right_transpose") and len(op.operands[1].shape) == 2:
-        name = _weight_name(op.operands[1])
-        return name if name in linears else None
-    return None
+def _accepts(linears: frozenset[str]) -> Callable[[LinearUse], bool]:
+    """The linears int8 plans: the given weights, stored [N, K] and 2-D."""
+    return lambda use: (use.weight in linears and use.hf_layout
+                        and len(use.op.operands[use.linear.weight].shape) == 2)
 
 
 def find_sites(function: Function, linears: frozenset[str]) -> tuple[list[Site], dict[int, list[Site]]]:
-    """The sites of one block function and, per op id, the sites observed when that op runs."""
-    users = _users(function)
-    by_input: dict[int, tuple[Value, list[str], Operation]] = {}
-    at_op: dict[int, list[Site]] = {}
+    """The sites of one block function and, per op id, the sites observed when that op runs.
+
+    SmoothQuant's 1/s goes into an RMSNorm-like weight (a norm without bias) when x is that norm's output and
+    feeds only the site's linears; into up's rows for the down projection; else an explicit top.Mul."""
     sites: list[Site] = []
-    for op in function.ops:
-        name = _is_linear(op, linears)
-        if name is not None:
-            x = op.operands[0]
-            entry = by_input.setdefault(id(x), (x, [], op))
-            entry[1].append(name)
-        elif op.name == "top.MLP":
-            names = [_weight_name(v) for v in op.operands[1:4]]
-            if all(n in linears for n in names):
-                gate, up, down = names  # type: ignore[misc]
-                x = op.operands[0]
-                s_in = Site((gate, up), "input", x.shape[-1], *_fold_of(x, {id(op)}, users))
-                s_h = Site((down,), "mlp_hidden", op.operands[3].shape[-1], "up", up)
-                sites += [s_in, s_h]
-                at_op[id(op)] = [s_in, s_h]
-    for x, names, first in by_input.values():
-        ops = {id(u) for u in users.get(id(x), []) if u is not None and _is_linear(u, linears)}
-        site = Site(tuple(names), "input", x.shape[-1], *_fold_of(x, ops, users))
+    at_op: dict[int, list[Site]] = {}
+    for found in shared_input_sites(function, _accepts(linears)):
+        if found.kind == MLP_HIDDEN:
+            assert found.fold is not None
+            fold, fold_weight = "up", found.fold.weight
+        elif found.fold is not None:
+            fold, fold_weight = "norm", found.fold.weight
+        else:
+            fold, fold_weight = "mul", None
+        site = Site(found.names, found.kind, found.k, fold, fold_weight)
         sites.append(site)
-        at_op.setdefault(id(first), []).append(site)
+        at_op.setdefault(id(found.op), []).append(site)
     return sites, at_op
-
-
-def _fold_of(x: Value, consumers: set[int], users: Mapping[int, list[Operation | None]]) -> tuple[str, str | None]:
-    """Fold 1/s into an RMSNorm weight when x is that norm's output and feeds only these linears."""
-    producer = x.owner
-    only_ours = all(u is not None and id(u) in consumers for u in users.get(id(x), []))
-    if only_ours and isinstance(producer, Operation) and producer.name == "top.RMSNorm" \
-            and len(producer.operands) == 2:
-        weight = _weight_name(producer.operands[1])
-        if weight is not None:
-            return "norm", weight
-    return "mul", None
 
 
 # ============================================================================ observing the float model
 
 
 class _ObserveInterpreter(Interpreter):
-    """The reference interpreter feeding each site's input (divided by its smoothing factor) to an observer."""
+    """The reference interpreter whose tap feeds each site's input (divided by its smoothing factor) to an
+    observer, and each linear's output to its `<weight>:out` observer when there is one."""
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
                  observers: dict[str, Observer], inv_smooth: Mapping[str, np.ndarray]) -> None:
-        super().__init__(module, weights)
+        super().__init__(module, weights, tap=self._observe)
         self.at_op, self.observers, self.inv_smooth = at_op, observers, inv_smooth
 
-    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    def _observe(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):
-            if site.kind == "input":
-                x = inputs[0]
-            else:
-                x2 = inputs[0].reshape(-1, inputs[0].shape[-1])
-                gate, up = x2 @ inputs[1].T, x2 @ inputs[2].T
+            if site.kind == MLP_HIDDEN:
+                gate, up, x = mlp_hidden(inputs[0], inputs[1], inputs[2], str(step.attrs.get("act", "silu")))
                 self._observe_output(step.op.operands[1], gate)
                 self._observe_output(step.op.operands[2], up)
-                x = mlp_activation(str(step.attrs.get("act", "silu")), gate) * up
+            else:
+                x = inputs[0]
             inv = self.inv_smooth.get(site.key)
             self.observers[site.key].add(x if inv is None else x * inv)
-        results = step.kernel(inputs, step.attrs)
-        if step.op.name == "top.MatMul":
-            self._observe_output(step.op.operands[1], results[0])
-        elif step.op.name == "top.MLP":
-            self._observe_output(step.op.operands[3], results[0])
-        return results
+        result = _result_linear(step.op)
+        if result is not None:
+            self._observe_output(step.op.operands[result.weight], outputs[0])
 
     def _observe_output(self, weight: Value, y: np.ndarray) -> None:
         """Static requantization needs each linear's output range: observers keyed `<weight>:out`, when asked."""
-        name = _weight_name(weight)
+        name = weight_name(weight)
         observer = self.observers.get(f"{name}{OUT}") if name is not None else None
         if observer is not None:
             observer.add(y)
+
+
+def _result_linear(op: Operation) -> Linear | None:
+    """The linear whose output is the op's result: a plain linear op's own; in a fused op (top.MLP) the one that
+    reads the activation computed inside it (down)."""
+    linears = traits_of(op.name).linears
+    if len(linears) == 1:
+        return linears[0]
+    return next((linear for linear in linears if linear.input is None), None)
 
 
 @dataclass
@@ -500,8 +470,11 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
             w = b.op("top.Weight", result_types=[f32(n, k)], name=f"{name}.smoothed")
         return b.op("top.MatMul", x, w, *bias, right_transpose=True, loc=loc)
 
+    planned = _accepts(frozenset(plan.modes))
+
     def matmul(op: Operation, rw: Rewriter) -> bool:
-        name = _is_linear(op, frozenset(plan.modes))
+        use = next(op_linears(op), None)
+        name = use.weight if use is not None and planned(use) else None
         if name is None or name not in site_of:
             return False
         if plan.modes[name] == "bf16" and not _smoothed(name, plan, sites):
@@ -511,7 +484,7 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
         return True
 
     def mlp(op: Operation, rw: Rewriter) -> bool:
-        names = [_weight_name(v) for v in op.operands[1:4]]
+        names = [weight_name(v) for v in op.operands[1:4]]
         if not all(n in site_of for n in names):
             return False
         if all(plan.modes[n] == "bf16" and not _smoothed(n, plan, sites) for n in names):  # type: ignore[index]
@@ -554,7 +527,7 @@ class _MixedInterpreter(Interpreter):
 
     def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
         if step.op.name == "top.MatMulInt8":
-            name = str(step.op.operands[1].owner.attrs["name"])[: -len(".qweight")]  # type: ignore[union-attr]
+            name = str(weight_name(step.op.operands[1]))[: -len(".qweight")]
             if name in self.bf16:
                 w = self._float.get(name)
                 if w is None:  # codes * scale is not the float weight: rebuild it from the smoothed one
@@ -670,26 +643,27 @@ REPORT_WINDOWS = 4  # calibration windows the per-linear error report runs on
 
 
 class _ErrorInterpreter(Interpreter):
-    """The float model, measuring at every planned linear what its int8 (or bf16) form makes of the same input."""
+    """The float model whose tap measures, at every planned linear, what its int8 (or bf16) form makes of the
+    same input."""
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
                  quantized: Callable[[str, np.ndarray], np.ndarray]) -> None:
-        super().__init__(module, weights)
+        super().__init__(module, weights, tap=self._measure)
         self.at_op, self.quantized = at_op, quantized
         self.sums: dict[str, list[float]] = {}  # name → [||Y - Ŷ||², ||Y||²]
 
-    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    def _measure(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):
-            x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            if site.kind == "mlp_hidden":
-                x = mlp_activation(str(step.attrs.get("act", "silu")), x @ inputs[1].T) * (x @ inputs[2].T)
+            if site.kind == MLP_HIDDEN:
+                x = mlp_hidden(inputs[0], inputs[1], inputs[2], str(step.attrs.get("act", "silu")))[2]
+            else:
+                x = inputs[0].reshape(-1, inputs[0].shape[-1])
             for name in site.names:  # a site is seen once, at its first linear: the others read the same input
                 y = x.astype(np.float64) @ np.asarray(self.weights(name), np.float64).T
                 d = y - self.quantized(name, x)
-                sums = self.sums.setdefault(name, [0.0, 0.0])  # type: ignore[arg-type]
+                sums = self.sums.setdefault(name, [0.0, 0.0])
                 sums[0] += float(np.sum(d * d))
                 sums[1] += float(np.sum(y * y))
-        return step.kernel(inputs, step.attrs)
 
 
 def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: np.ndarray,
@@ -741,7 +715,7 @@ def _natural(name: str) -> list[Any]:
 
 def _linear_names(model: Any) -> frozenset[str]:
     """Decoder-layer linears (the lm_head follows quant.lm_head, as for every scheme)."""
-    from topq.core.pipeline import linear_weight_names
+    from topq.ir.analysis import linear_weight_names
 
     head = model.family.global_weights["embed" if model.spec.tie_word_embeddings else "lm_head"]
     return frozenset(n for n in linear_weight_names(model.module) if n != head)

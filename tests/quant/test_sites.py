@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.core.stages import StageConfig, build_program
 from topq.ir.analysis import linear_weight_names
@@ -264,8 +265,7 @@ def test_norm_folds_follow_each_callers_rules(kind: str) -> None:
 
 
 def test_a_group_that_does_not_share_its_input_is_refused() -> None:
-    module, fam, _ = tiny("llama")
-    from topq.core.errors import TopqError
+    module, _, _ = tiny("llama")
 
     with pytest.raises(TopqError, match="does not share one input"):
         group_sites(module["block_0"], [("model.layers.0.self_attn.q_proj.weight",

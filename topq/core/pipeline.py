@@ -31,7 +31,8 @@ from topq.core.checkpoint import Checkpoint
 from topq.core.errors import TopqError
 from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
-from topq.ir.analysis import linear_weight_names  # noqa: F401  (re-exported: callers import it from here)
+# linear_weight_names is re-exported: callers import it from here
+from topq.ir.analysis import linear_weight_names
 from topq.ir.graph import Module
 from topq.core.plugins import Plugins, get_plugins
 from topq.ir.printer import print_function

@@ -24,7 +24,6 @@ Solvers live in the scheme plugins; they read weights and publish results throug
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -39,10 +38,9 @@ from tqdm import tqdm
 
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
-from topq.core.family import ModelSpec
 from topq.ir.analysis import linear_uses
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.graph import Function, Module, Operation
+from topq.ir.graph import Function, Operation
 from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
@@ -52,9 +50,10 @@ from topq.quant.grid import (
     resolve_group_size,
 )
 from topq.ir.reference_ops import mlp_hidden
+from topq.quant.program import ProgramSource, calibration_program, program_source
 from topq.quant.sites import INPUT, FoldTarget, group_sites
 from topq.io.safetensors import SafetensorsFile, write_safetensors
-from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.core.stages import rope_weights
 
 if TYPE_CHECKING:
     from topq.core.pipeline import LoadedModel
@@ -528,53 +527,13 @@ class _FixedWeights:
         return self.weights[name]
 
 
-@dataclass(frozen=True)
-class _ProgramSource:
-    """What builds the calibration program, JSON-able: a worker that shares no memory builds it itself."""
-
-    key: str
-    family: str
-    spec: dict[str, Any]
-    seq_len: int
-    shapes: dict[str, list[int]]
-
-
-def _program_source(model: LoadedModel, seq_len: int) -> _ProgramSource:
-    store = model.checkpoint.weights
-    shapes = {name: [int(d) for d in store.shape(name)] for name in store.names()}
-    spec = model.spec.to_dict()
-    key = json.dumps([model.family.name, spec, seq_len, shapes], sort_keys=True, default=str)
-    return _ProgramSource(hashlib.sha256(key.encode()).hexdigest(), model.family.name, spec, seq_len, shapes)
-
-
-#: calibration programs built in this process (forked workers inherit the parent's), by source key
-_PROGRAMS: dict[str, tuple[Module, Any, Any]] = {}
-
-
-def _calibration_program(source: _ProgramSource, family: Any = None, spec: Any = None) -> tuple[Module, Any, Any]:
-    """(module, family, spec): the program every stage function of which runs one window of `seq_len` tokens."""
-    cached = _PROGRAMS.get(source.key)
-    if cached is None:
-        if family is None:
-            from topq.core.plugins import get_plugins
-
-            family = get_plugins().families.get(source.family)
-        spec = spec if spec is not None else ModelSpec.from_dict(source.spec)
-        shapes = {name: tuple(shape) for name, shape in source.shapes.items()}
-        module = build_program(spec, family, StageConfig(source.seq_len, source.seq_len, False, ()), shapes)
-        while len(_PROGRAMS) >= 2:  # a process calibrates one model at a time
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
-        cached = _PROGRAMS[source.key] = (module, family, spec)
-    return cached
-
-
 @dataclass
 class _LayerStep:
     """One step of the layer loop, as its tasks see it: capture group `group`'s input (None: the layer output)
     for some samples, with the layer's weights as they are now."""
 
     token: str  # unique: a worker keeps its interpreter for the step it last ran
-    source: _ProgramSource
+    source: ProgramSource
     layer: int
     group: int | None
     weights: dict[str, np.ndarray]  # every weight block_{layer} reads, as the model computes with it now
@@ -586,7 +545,7 @@ _STEP: dict[str, Any] = {}  # this process's interpreter for the step it last ra
 
 def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, _GroupPlan | None]:
     if _STEP.get("token") != step.token:
-        module, family, spec = _calibration_program(step.source)
+        module, family, spec = calibration_program(step.source)
         plan = None
         if step.group is not None:
             plan = _find_groups(module[f"block_{step.layer}"], family, spec, step.layer)[step.group]
@@ -660,8 +619,8 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     windows = np.asarray(windows, dtype=np.int32)
     samples, seq_len = windows.shape
     spec, family = model.spec, model.family
-    source = _program_source(model, seq_len)
-    module, _, _ = _calibration_program(source, family, spec)
+    source = program_source(model, seq_len)
+    module, _, _ = calibration_program(source, family, spec)
     state = LayerState(model.weight, rope_weights(spec, seq_len), scale_dtype=str(options.get("act_dtype", "f32")))
     interp = _CaptureInterpreter(module, state)
     hidden = np.stack([interp.run("embedding", [w[None]])[0][0] for w in windows])  # [samples, L, H]

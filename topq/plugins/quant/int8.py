@@ -41,12 +41,13 @@ from topq.ir.catalogue import Linear, traits_of
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.graph import Function, Module, Operation, Value
 from topq.quant.observers import Observer
+from topq.quant.program import ProgramSource, build_calibration_program, open_weights, program_source
 from topq.quant.sites import MLP_HIDDEN, shared_input_sites
 from topq.core.quant import QuantScheme
 from topq.ir.types import round_to_dtype
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_hidden
 from topq.ir.rewrite import Rewriter, apply_patterns
-from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.core.stages import rope_weights
 from topq.ir.types import TensorType
 
 OPTIONS = ("observer", "percentile", "smooth_alpha", "dynamic_tokens", "budget", "table", "calibration", "lm_head")
@@ -215,58 +216,50 @@ class _CalibModel:
     at_op: dict[int, list[Site]]
     weights: Callable[[str], np.ndarray]
     seq_len: int
-    source: dict[str, Any] = field(default_factory=dict)  # JSON-able: how a worker sharing no memory rebuilds it
+    source: ProgramSource  # how a worker sharing no memory rebuilds it (the checkpoint is read by path)
+    linears: frozenset[str]
 
 
 def _calib_model(model: Any, seq_len: int, linears: frozenset[str]) -> _CalibModel:
-    spec, family = model.spec, model.family
-    shapes = {name: model.checkpoint.weights.shape(name) for name in model.checkpoint.weights.names()}
-    module = build_program(spec, family, StageConfig(seq_len, seq_len, False, ()), shapes)
-    rope = rope_weights(spec, seq_len)
-    store = model.checkpoint.weights
+    source = program_source(model, seq_len)
+    module, _, _ = build_calibration_program(source, model.family, model.spec)  # fresh: mixed precision rewrites it
+    return _sites_of(module, source, model.spec, model.checkpoint.weights, linears)
+
+
+def _sites_of(module: Module, source: ProgramSource, spec: Any, store: Any, linears: frozenset[str]) -> _CalibModel:
+    rope = rope_weights(spec, source.seq_len)
     sites: list[Site] = []
     at_op: dict[int, list[Site]] = {}
     for i in range(spec.num_layers):
         s, a = find_sites(module[f"block_{i}"], linears)
         sites += s
         at_op.update(a)
-    source = {"checkpoint": str(model.checkpoint.path), "format": model.checkpoint.format, "family": family.name,
-              "seq_len": int(seq_len), "linears": sorted(linears)}
-    return _CalibModel(module, sites, at_op, lambda n: rope[n] if n in rope else store.get(n), seq_len, source)
+    return _CalibModel(module, sites, at_op, lambda n: rope[n] if n in rope else store.get(n), source.seq_len, source,
+                       linears)
 
 
 @dataclass
 class _ObserveJob:
     """What `_observe_task` needs: the float model — the parent's interpreter where tasks share its memory, else
-    how to rebuild it (`_CalibModel.source`: the checkpoint is read by path, as Ray unit workers do) — and, per
-    site, the configuration of the fresh observers a task fills (kind, percentile, bins, histogram range)."""
+    how to rebuild it (`_CalibModel.source` and its linears: the checkpoint is read by path, as Ray unit workers
+    do) — and, per site, the configuration of the fresh observers a task fills (kind, percentile, bins, range)."""
 
     interp: _ObserveInterpreter | None
-    source: dict[str, Any] | None
+    source: tuple[ProgramSource, frozenset[str]] | None
     num_layers: int
     observers: dict[str, tuple[str, float, int, float]]
     inv_smooth: Mapping[str, np.ndarray]
 
 
-_SOURCE_INTERP: dict[str, _ObserveInterpreter] = {}  # a worker's float model, by source (its weights stay loaded)
+_SOURCE_INTERP: dict[Any, _ObserveInterpreter] = {}  # a worker's float model, by source (its weights stay loaded)
 
 
-def _source_interp(source: dict[str, Any]) -> _ObserveInterpreter:
-    import json
-
-    key = json.dumps(source, sort_keys=True)
+def _source_interp(source: ProgramSource, linears: frozenset[str]) -> _ObserveInterpreter:
+    key = (source.key, source.checkpoint, source.format, linears)
     interp = _SOURCE_INTERP.get(key)
     if interp is None:
-        from types import SimpleNamespace
-
-        from topq.core.pipeline import open_checkpoint
-        from topq.core.plugins import get_plugins
-
-        plugins = get_plugins()
-        checkpoint = open_checkpoint(plugins, source["checkpoint"], source["format"])
-        family = plugins.families.get(source["family"])
-        model = SimpleNamespace(checkpoint=checkpoint, family=family, spec=family.normalize(checkpoint.config))
-        cm = _calib_model(model, int(source["seq_len"]), frozenset(source["linears"]))
+        module, _, spec = build_calibration_program(source)
+        cm = _sites_of(module, source, spec, open_weights(source), linears)
         _SOURCE_INTERP.clear()  # one model at a time
         interp = _SOURCE_INTERP[key] = _ObserveInterpreter(cm.module, cm.weights, cm.at_op, {}, {})
     return interp
@@ -277,7 +270,11 @@ def _observe_task(job_handle: Any, windows: np.ndarray) -> dict[str, Observer]:
     from topq.core.executors import resolve
 
     job: _ObserveJob = resolve(job_handle)
-    interp = job.interp if job.interp is not None else _source_interp(job.source)  # type: ignore[arg-type]
+    if job.interp is not None:
+        interp = job.interp
+    else:
+        assert job.source is not None
+        interp = _source_interp(*job.source)
     observers = {key: Observer(kind, percentile, bins, range_max=top or None)
                  for key, (kind, percentile, bins, top) in job.observers.items()}
     interp.observers, interp.inv_smooth = observers, job.inv_smooth
@@ -304,7 +301,7 @@ def _run_float(cm: _CalibModel, interp: _ObserveInterpreter, windows: np.ndarray
             interp.plan(cm.module[name])  # load the weights once here: forked workers share them (copy-on-write)
         job = _ObserveJob(interp, None, num_layers, configs, interp.inv_smooth)
     else:
-        job = _ObserveJob(None, cm.source, num_layers, configs, interp.inv_smooth)
+        job = _ObserveJob(None, (cm.source, cm.linears), num_layers, configs, interp.inv_smooth)
     inline = isinstance(executor, InlineExecutor)
     chunk = 1 if inline else max(1, math.ceil(len(windows) / (4 * max(1, int(executor.jobs)))))
     starts = range(0, len(windows), chunk)

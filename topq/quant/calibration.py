@@ -38,9 +38,9 @@ from tqdm import tqdm
 
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
-from topq.ir.analysis import linear_uses
+from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.graph import Function, Operation
+from topq.ir.graph import Function, Operation, Value
 from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
@@ -471,6 +471,7 @@ class _CaptureInterpreter(Interpreter):
         self._version = state.version
         self.plan_: _GroupPlan | None = None
         self.stats: InputStats | None = None
+        self._at: Operation | None = None  # the op whose tap captures
 
     def load_weight(self, op: Operation) -> np.ndarray:
         array = self.state.current_weight(op.attrs["name"])
@@ -482,6 +483,7 @@ class _CaptureInterpreter(Interpreter):
     def capture(self, plan: _GroupPlan | None, stats: InputStats | None) -> None:
         """Feed `plan`'s input to `stats` (through the interpreter's tap) and stop the layer there; None: run it."""
         self.plan_, self.stats = plan, stats
+        self._at = None if plan is None else _capture_point(plan)
         self.tap = None if plan is None else self._capture
 
     def run(self, name: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -492,14 +494,38 @@ class _CaptureInterpreter(Interpreter):
 
     def _capture(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         plan = self.plan_
-        if plan is None or step.op is not plan.op:
+        if plan is None or step.op is not self._at:
             return
         assert self.stats is not None
+        op, at_group = plan.op, step.op is plan.op
         if plan.kind == INPUT:
-            self.stats.add(inputs[plan.operand])
+            self.stats.add(inputs[plan.operand] if at_group else outputs[op.operands[plan.operand].index])
         else:
-            self.stats.add(mlp_hidden(inputs[0], inputs[1], inputs[2], str(step.attrs.get("act", "silu")))[2])
+            if at_group:
+                x, w_gate, w_up = inputs[0], inputs[1], inputs[2]
+            else:  # the weights are the plan's constants: the arrays the MLP would read
+                x = outputs[op.operands[0].index]
+                w_gate, w_up = (self.load_weight(_owner(op.operands[i])) for i in (1, 2))
+            self.stats.add(mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2])
         raise _StopLayer
+
+
+def _owner(value: Value) -> Operation:
+    op = producer(value)
+    assert op is not None
+    return op
+
+
+def _capture_point(plan: _GroupPlan) -> Operation:
+    """The op after which the group's input is known: the producer of the linears' input, so that the linears (for
+    top.MLP the whole fused MLP) need not run first; the group's own op when the input is a function argument."""
+    x = plan.op.operands[plan.operand if plan.kind == INPUT else 0]
+    source = producer(x)
+    if source is None or weight_name(x) is not None:
+        return plan.op
+    if plan.kind != INPUT and any(weight_name(plan.op.operands[i]) is None for i in (1, 2)):
+        return plan.op  # the hidden activation needs gate / up weights that are constants of the plan
+    return source
 
 
 GroupSolver = Callable[[GroupInputs, LayerState, Mapping[str, Any]], None]
@@ -634,8 +660,8 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
             reads = _weights_read(module[f"block_{layer}"])
 
             def step(group: int | None) -> _LayerStep:
-                return _LayerStep(uuid.uuid4().hex, source, layer, group,  # noqa: B023 - used at once
-                                  {n: state.current_weight(n) for n in reads})  # noqa: B023
+                return _LayerStep(uuid.uuid4().hex, source, layer, group,
+                                  {n: state.current_weight(n) for n in reads})
 
             for g, plan in enumerate(layer_plans):
                 bar.set_postfix_str(f"layer {layer} {'/'.join(plan.keys)}")

@@ -272,3 +272,14 @@ def test_a_group_that_does_not_share_its_input_is_refused() -> None:
                                          "model.layers.0.self_attn.o_proj.weight")], lambda g: "q/o")
     with pytest.raises(TopqError, match="is not a linear of block_0"):
         group_sites(module["block_0"], [("model.layers.0.input_layernorm.weight",)], lambda g: "norm")
+
+
+def test_calibration_captures_each_group_right_after_its_input_is_computed() -> None:
+    from topq.quant.calibration import _capture_point
+
+    module, family, spec = tiny("llama")
+    plans = _find_groups(module["block_0"], family, spec, 0)
+    points = [_capture_point(p) for p in plans]
+    assert [op.name for op in points] == ["top.RMSNorm", "top.FAttention", "top.RMSNorm", "top.RMSNorm"]
+    for plan, point in zip(plans, points):  # the producer of what the group's op reads
+        assert point.results[0] is plan.op.operands[0]

@@ -481,12 +481,13 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
         return True
 
     def mlp(op: Operation, rw: Rewriter) -> bool:
-        names = [weight_name(v) for v in op.operands[1:4]]
-        if not all(n in site_of for n in names):
+        found = [weight_name(v) for v in op.operands[1:4]]
+        names = [n for n in found if n is not None and n in site_of]
+        if len(names) != 3:
             return False
-        if all(plan.modes[n] == "bf16" and not _smoothed(n, plan, sites) for n in names):  # type: ignore[index]
+        if all(plan.modes[n] == "bf16" and not _smoothed(n, plan, sites) for n in names):
             return False  # nothing changes: keep the fused op
-        gate_n, up_n, down_n = names  # type: ignore[misc]
+        gate_n, up_n, down_n = names
         x, wg, wu, wd = op.operands
         b, act = rw.builder, str(op.attrs.get("act", "silu"))
         xs = site_input(rw, x, site_of[gate_n])

@@ -289,13 +289,12 @@ def ir() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 def ir_check(file: str) -> None:
     """Parse and verify FILE, then print it in canonical form (like mlir-opt)."""
-    import topq.raw  # noqa: F401  (registers the kernel IR ops and top.DSLRegion)
     from topq.ir.parser import parse_module
     from topq.core.plugins import get_plugins
     from topq.ir.printer import print_module
     from topq.ir.verifier import verify_module
 
-    get_plugins()  # target plugins register their dialects' ops
+    get_plugins()  # plugins register their ops: target dialects, raw kernels (IR extensions)
     try:
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -30,6 +30,8 @@ from topq.core.checkpoint import Checkpoint
 from topq.core.errors import TopqError
 from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
+# linear_weight_names is re-exported: callers import it from here
+from topq.ir.analysis import linear_weight_names
 from topq.ir.graph import Module
 from topq.core.plugins import Plugins, get_plugins
 from topq.ir.printer import print_function
@@ -89,30 +91,10 @@ def load_model(recipe: Recipe, plugins: Plugins | None = None) -> LoadedModel:
         module = build_program(spec, family, stages, shapes)
     except TopqError as exc:  # a missing or misshapen tensor: say which checkpoint
         raise TopqError(f"{checkpoint.path}: {exc}") from None
-    if recipe.kernels:
-        # Imported only when asked for: raw kernels are an optional layer on top of the core.
-        from topq.raw.substitute import apply_kernel_substitutions
-
-        apply_kernel_substitutions(module, [{"replace": k["replace"], "with": k["with"]} for k in recipe.kernels])
+    if recipe.kernels:  # raw kernels: applied by the IR extension that offers it (the raw plugin)
+        plugins.kernel_substitution()(module, [{"replace": k["replace"], "with": k["with"]} for k in recipe.kernels])
     verify_module(module)
     return LoadedModel(checkpoint, family, spec, module, rope_weights(spec, stages.seq_length))
-
-
-def linear_weight_names(module: Module) -> frozenset[str]:
-    """Weights used as the right operand of a matmul (the ones weight quantization applies to)."""
-    producers = {}
-    names = set()
-    for function in module:
-        for op in function.walk():
-            if op.name == "top.Weight":
-                producers[id(op.results[0])] = op.attrs["name"]
-            elif op.name == "top.MatMul":
-                name = producers.get(id(op.operands[1]))
-                if name:
-                    names.add(name)
-            elif op.name == "top.MLP":
-                names.update(producers[id(v)] for v in op.operands[1:] if id(v) in producers)
-    return frozenset(names)
 
 
 @dataclass(eq=False)

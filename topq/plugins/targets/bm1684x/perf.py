@@ -481,9 +481,9 @@ def _build(spec: ModelSpec, family: ModelFamily, stages: StageConfig,
             _MODULES.pop(next(iter(_MODULES)))
         module = build_program(spec, family, stages, shapes=None)
         if kernels:  # the recipe's raw-kernel substitutions, as the pipeline applies them
-            from topq.raw.substitute import apply_kernel_substitutions
+            from topq.core.plugins import get_plugins
 
-            apply_kernel_substitutions(module, [{"replace": r, "with": w} for r, w in kernels])
+            get_plugins().kernel_substitution()(module, [{"replace": r, "with": w} for r, w in kernels])
         _MODULES[key] = module
     return _MODULES[key]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 import topq
-import topq.raw  # noqa: F401  (registers top.DSLRegion and its host kernel: bundles may contain raw kernels)
 from topq.core.bundle import Bundle
 from topq.ir.interpreter import Interpreter
 from topq.ir.parser import parse_module

@@ -9,13 +9,18 @@ decode functions through a `BlockContext`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 
 from topq.core.errors import TopqError
+from topq.core.weightmap import MappedWeights, WeightRule
 
 if TYPE_CHECKING:
+    # Type-only: stages imports this module at run time (family → stages would be a cycle).
+    from topq.core.checkpoint import WeightStore
     from topq.core.stages import BlockContext
+
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,44 @@ def config_get(config: Mapping[str, Any], *keys: str, default: Any = None) -> An
         if value is not None:
             return value
     return default
+
+
+def hf_field(*keys: str, default: Any = MISSING) -> Any:
+    """A field of a family's config dataclass read from the first present Hugging Face config key among `keys`
+    (dotted for nested dicts: "rope_parameters.rope_type"); the field's own name when no key is given."""
+    return field(default=default, metadata={"hf_keys": keys})
+
+
+def _lookup(config: Mapping[str, Any], key: str) -> Any:
+    value: Any = config
+    for part in key.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
+
+
+def read_config(cls: type[C], config: Mapping[str, Any], family: str) -> C:
+    """A family's config dataclass filled from a Hugging Face config: each field from its key(s) (`hf_field`),
+    converted to the field's type; an absent (or null) key takes the default, and a field without one is
+    required. The dataclass is the list of what the family reads."""
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        keys = f.metadata.get("hf_keys") or (f.name,)
+        value = next((v for v in (_lookup(config, k) for k in keys) if v is not None), None)
+        if value is None:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise TopqError(f"config is missing {keys[0]!r} (needed by the {family} family)")
+            continue
+        kind = hints[f.name]
+        scalar = next((t for t in (bool, int, float, str) if kind is t or kind == t | None), None)
+        try:
+            values[f.name] = scalar(value) if scalar is not None else value
+        except (TypeError, ValueError):
+            raise TopqError(f"config field {keys[0]}={value!r} is not a {scalar.__name__} "
+                            f"(read by the {family} family)") from None
+    return cls(**values)
 
 
 def normalize_llama_like(config: Mapping[str, Any], family: str, **overrides: Any) -> ModelSpec:
@@ -150,9 +193,12 @@ DECODER_QUANT_GROUPS: tuple[tuple[str, ...], ...] = (
 class ModelFamily:
     """What a family plugin registers.
 
-    `layer_weights` maps the block's logical weight keys to checkpoint names with `{i}` for the layer;
-    `global_weights` names the embedding, final norm and lm_head. `quant_groups` lists the linears that
-    share an input (AWQ scales them together). `build_block(ctx)` builds one transformer block.
+    `layer_weights` maps the block's logical weight keys to tensor names with `{i}` for the layer;
+    `global_weights` names the embedding, final norm and lm_head. These are the names the Top IR and the bundle
+    use. `weight_map` says how a name is made from checkpoint tensors when the checkpoint does not store it as
+    such (IR name template → `Rows` / `AddScalar` / `Stack`, see `topq.core.weightmap`); a name it does not
+    list is read from the checkpoint as is. `quant_groups` lists the linears that share an input (AWQ scales
+    them together). `build_block(ctx)` builds one transformer block.
     """
 
     name: str
@@ -170,6 +216,14 @@ class ModelFamily:
     )
     quant_groups: tuple[tuple[str, ...], ...] = ()
     description: str = ""
+    weight_map: Mapping[str, WeightRule] = field(default_factory=dict)
+
+    def weights(self, spec: ModelSpec, store: WeightStore) -> WeightStore:
+        """The checkpoint's tensors under the names the Top IR reads (derived lazily; `store` itself when the
+        family maps nothing)."""
+        if not self.weight_map:
+            return store
+        return MappedWeights(store, self.weight_map, spec, self.name)
 
     def accepts(self, config: Mapping[str, Any]) -> bool:
         archs = config.get("architectures") or []

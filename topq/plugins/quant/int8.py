@@ -22,6 +22,7 @@ recorded in the program's module attribute `topq.int8` (so in the bundle metadat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -295,7 +296,9 @@ def _source_interp(source: dict[str, Any]) -> _ObserveInterpreter:
         plugins = get_plugins()
         checkpoint = open_checkpoint(plugins, source["checkpoint"], source["format"])
         family = plugins.families.get(source["family"])
-        model = SimpleNamespace(checkpoint=checkpoint, family=family, spec=family.normalize(checkpoint.config))
+        spec = family.normalize(checkpoint.config)
+        checkpoint = dataclasses.replace(checkpoint, weights=family.weights(spec, checkpoint.weights))
+        model = SimpleNamespace(checkpoint=checkpoint, family=family, spec=spec)
         cm = _calib_model(model, int(source["seq_len"]), frozenset(source["linears"]))
         _SOURCE_INTERP.clear()  # one model at a time
         interp = _SOURCE_INTERP[key] = _ObserveInterpreter(cm.module, cm.weights, cm.at_op, {}, {})

@@ -234,6 +234,77 @@ def test_w4_rtn_conversion_quantizes_the_split_linears(phi3: tuple[Any, Path], f
     assert cosine > 0.9, cosine
 
 
+@pytest.fixture(scope="module")
+def llama_twin(phi3: tuple[Any, Path]) -> Path:
+    """The same model saved unfused, as a Llama checkpoint (Phi-3 with default RoPE is a Llama with fused
+    tensors): the built-in llama family reads it with no weight map."""
+    model, directory = phi3
+    config = model.config
+    twin = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, vocab_size=VOCAB, max_position_embeddings=256,
+        rms_norm_eps=config.rms_norm_eps, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if "qkv_proj" in name:
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split([64, 32, 32])):
+                state[name.replace("qkv_proj", part)] = rows
+        elif "gate_up_proj" in name:
+            for part, rows in zip(("gate_proj", "up_proj"), tensor.chunk(2)):
+                state[name.replace("gate_up_proj", part)] = rows
+        else:
+            state[name] = tensor
+    twin.load_state_dict(state, strict=True)
+    twin.save_pretrained(directory / "llama_twin", safe_serialization=True)
+    return directory / "llama_twin"
+
+
+@pytest.fixture(scope="module")
+def calibration_ids(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from conftest import AUSTEN
+
+    path = tmp_path_factory.mktemp("fused_calibration") / "emma.ids"
+    path.write_text(" ".join(str(b) for b in (AUSTEN / "00_EMMA.txt").read_bytes()[:4000]))  # bytes < VOCAB
+    return path
+
+
+def bundle_tensors(path: Path) -> dict[str, bytes]:
+    bundle = Bundle(path)
+    return {name: np.asarray(bundle.tensor(name)).tobytes() for name in bundle.file.names()}
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "awq", "int8"])
+def test_calibrated_schemes_give_the_unfused_twins_tensors(phi3: tuple[Any, Path], llama_twin: Path,
+                                                           calibration_ids: Path, scheme: str) -> None:
+    """Calibration, AWQ's grouped scales and norm folding, and int8's sites all read the split tensors: the fused
+    checkpoint's bundle holds exactly the tensors of its unfused Llama twin's."""
+    _, directory = phi3
+    tensors = []
+    for source in (directory, llama_twin):
+        out = directory / f"{scheme}_{source.name}.topq"
+        r = recipe_from_defaults(
+            model={"path": str(source)}, target={"chip": "host"}, stages=STAGES, output={"path": str(out)},
+            quant={"scheme": scheme, **({} if scheme == "int8" else {"group_size": 32}),
+                   "calibration": {"data": str(calibration_ids), "samples": 2, "seq_len": 32}})
+        assert convert(r, progress=False)["family"] == ("fused-phi3" if source == directory else "llama")
+        tensors.append(bundle_tensors(out))
+    assert list(tensors[0]) == list(tensors[1])
+    assert tensors[0] == tensors[1]
+
+
+def test_cached_parallel_build_equals_the_inline_one(phi3: tuple[Any, Path], f32_bundle: Bundle,
+                                                     tmp_path: Path) -> None:
+    """Units compiled in worker processes and keyed by the derived tensors' fingerprints; a second conversion
+    reuses every unit, and both bundles equal the inline one byte for byte."""
+    _, directory = phi3
+    first, second = tmp_path / "a.topq", tmp_path / "b.topq"
+    runs = [convert(recipe(directory, out, "f32"), progress=False, jobs=2, cache_dir=tmp_path / "cache",
+                    use_cache=True) for out in (first, second)]
+    assert runs[0]["units_built"] == runs[0]["units"] > 1 and runs[1]["units_reused"] == runs[1]["units"]
+    assert first.read_bytes() == second.read_bytes() == f32_bundle.path.read_bytes()
+
+
 # ------------------------------------------------------------------------------- the mapping on its own
 
 

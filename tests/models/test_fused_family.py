@@ -36,7 +36,15 @@ from topq.core.quant import QuantizedWeight
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
 from topq.core.stages import BlockContext
-from topq.core.weightmap import AddScalar, MappedWeights, Rows, Stack, gate_up_sections, qkv_sections, split_rows
+from topq.core.weightmap import (
+    AddScalar,
+    MappedWeights,
+    Rows,
+    Stack,
+    gate_up_sections,
+    qkv_sections,
+    split_rows,
+)
 from topq.io.safetensors import SafetensorsFile
 from topq.ir.graph import Value
 from topq.ir.types import round_to_dtype

@@ -27,22 +27,22 @@ import hashlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from topq.core.errors import TopqError
+from topq.core.spec import ModelSpec
 
 if TYPE_CHECKING:
     from topq.core.checkpoint import WeightStore
-    from topq.core.family import ModelSpec
     from topq.core.quant import QuantizedWeight
 
 __all__ = ["AddScalar", "MappedWeights", "Rows", "Stack", "WeightRule", "gate_up_sections", "qkv_sections",
            "split_rows"]
 
 #: A number n of equal row blocks, or a function of the spec that gives each block's row count.
-Sections = Union[int, Callable[["ModelSpec"], Sequence[int]]]
+Sections = int | Callable[[ModelSpec], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Stack:
     count: int | Callable[[ModelSpec], int]
 
 
-WeightRule = Union[Rows, AddScalar, Stack]
+WeightRule = Rows | AddScalar | Stack
 
 
 def qkv_sections(spec: ModelSpec) -> tuple[int, int, int]:

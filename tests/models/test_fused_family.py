@@ -282,17 +282,17 @@ def bundle_tensors(path: Path) -> dict[str, bytes]:
     return {name: np.asarray(bundle.tensor(name)).tobytes() for name in bundle.file.names()}
 
 
-@pytest.mark.parametrize("scheme", ["gptq", "awq", "int8"])
-def test_calibrated_schemes_give_the_unfused_twins_tensors(phi3: tuple[Any, Path], llama_twin: Path,
-                                                           calibration_ids: Path, scheme: str) -> None:
-    """Calibration, AWQ's grouped scales and norm folding, and int8's sites all read the split tensors: the fused
-    checkpoint's bundle holds exactly the tensors of its unfused Llama twin's."""
+@pytest.mark.parametrize("scheme, chip", [("gptq", "host"), ("awq", "host"), ("int8", "host"), ("w4bf16", "bm1684x")])
+def test_schemes_give_the_unfused_twins_tensors(phi3: tuple[Any, Path], llama_twin: Path, calibration_ids: Path,
+                                                scheme: str, chip: str) -> None:
+    """Calibration, AWQ's grouped scales and norm folding, int8's sites and the chip's packing all read the split
+    tensors: the fused checkpoint's bundle holds exactly the tensors of its unfused Llama twin's."""
     _, directory = phi3
     tensors = []
     for source in (directory, llama_twin):
-        out = directory / f"{scheme}_{source.name}.topq"
+        out = directory / f"{scheme}_{chip}_{source.name}.topq"
         r = recipe_from_defaults(
-            model={"path": str(source)}, target={"chip": "host"}, stages=STAGES, output={"path": str(out)},
+            model={"path": str(source)}, target={"chip": chip}, stages=STAGES, output={"path": str(out)},
             quant={"scheme": scheme, **({} if scheme == "int8" else {"group_size": 32}),
                    "calibration": {"data": str(calibration_ids), "samples": 2, "seq_len": 32}})
         assert convert(r, progress=False)["family"] == ("fused-phi3" if source == directory else "llama")

@@ -85,6 +85,8 @@ def load_model(recipe: Recipe, plugins: Plugins | None = None) -> LoadedModel:
     checkpoint = open_checkpoint(plugins, recipe.model.path, recipe.model.format)
     family = find_family(plugins.families, checkpoint.config, recipe.model.family)
     spec = family.normalize(checkpoint.config)
+    # From here on the model's tensors are the family's logical ones (fused projections split, ...).
+    checkpoint = dataclasses.replace(checkpoint, weights=family.weights(spec, checkpoint.weights))
     stages = StageConfig.from_recipe(recipe.stages)
     shapes = {name: checkpoint.weights.shape(name) for name in checkpoint.weights.names()}
     try:

@@ -72,8 +72,11 @@ def calibration_program(source: ProgramSource, family: ModelFamily | None = None
 
 
 def open_weights(source: ProgramSource) -> WeightStore:
-    """The checkpoint's weights, opened by path (a worker that reads the float model itself)."""
+    """The checkpoint's weights as the program names them (the family's weight mapping applied), opened by path
+    (a worker that reads the float model itself)."""
     from topq.core.pipeline import open_checkpoint
     from topq.core.plugins import get_plugins
 
-    return open_checkpoint(get_plugins(), source.checkpoint, source.format).weights
+    plugins = get_plugins()
+    store = open_checkpoint(plugins, source.checkpoint, source.format).weights
+    return plugins.families.get(source.family).weights(ModelSpec.from_dict(source.spec), store)

@@ -34,6 +34,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.quant.int8",
     "topq.plugins.targets.host",
     "topq.plugins.targets.bm1684x",
+    "topq.plugins.targets.onnx",
 )
 
 #: hook name → registry kind

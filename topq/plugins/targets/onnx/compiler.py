@@ -18,7 +18,7 @@ from topq.core.quant import QuantizedWeight
 from topq.core.target import CompiledModel, CompileJob
 from topq.ir.graph import Function
 from topq.ir.printer import print_module
-from topq.ir.types import ELEMENT_TYPES, TensorType, round_to_dtype
+from topq.ir.types import TensorType
 from topq.plugins.targets.onnx import packing
 from topq.plugins.targets.onnx.conventions import PROGRAM_VERSION
 from topq.plugins.targets.onnx.lowering import (
@@ -52,7 +52,9 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
         packing.check_spec(spec, name)
 
     def stored(name: str) -> StoredTensor:
-        return StoredTensor(name, weight_types[name].with_dtype(dtype))
+        # A quantized weight that is also read as a float table (a tied embedding under a quantized lm_head) is
+        # stored as its exact dequantized values, like the MatMulNBits beside it sees them.
+        return StoredTensor(name, weight_types[name].with_dtype("f32" if name in specs else dtype))
 
     def linear(name: str) -> LinearLowering | None:
         spec = specs.get(name)
@@ -85,11 +87,8 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
                 yield name, np.frombuffer(graphs[name], dtype=np.uint8)
             elif name in weight_types and name not in specs:
                 yield name, job.weight_in(name, dtype)  # type: ignore[misc]
-            elif name in weight_types:
-                # a quantized weight also read as a float table (a tied embedding): its dequantized values,
-                # as the host target uses them
-                table = round_to_dtype(_quantized(job, name).dequantize(), dtype)
-                yield name, table.astype(ELEMENT_TYPES[dtype])
+            elif name in weight_types:  # the float table of a quantized weight (see `stored`)
+                yield name, _quantized(job, name).dequantize()
             else:
                 base = packing.weight_of(name)
                 if packed is None or packed[0] != base:

@@ -20,7 +20,10 @@ import topq
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
 from topq.core.target import CompiledModel, CompileJob, Executor, Target
-from topq.plugins.targets.onnx.conventions import ACCURACY_LEVELS, DEFAULT_ACCURACY_LEVEL
+from topq.plugins.targets.onnx.conventions import (
+    ACCURACY_LEVELS,
+    DEFAULT_ACCURACY_LEVEL,
+)
 
 
 def accuracy_level(job: CompileJob) -> int:
@@ -77,7 +80,7 @@ class OnnxTarget(Target):
     report: Callable[[Bundle], dict[str, Any]] | None = None
 
 
-_BY_NAME = {"schemes": _EveryScheme(("any scheme whose values MatMulNBits can hold",))} \
+_BY_NAME: dict[str, Any] = {"schemes": _EveryScheme(("any scheme whose values MatMulNBits can hold",))} \
     if "schemes" in {f.name for f in dataclasses.fields(Target)} else {}
 
 TARGET = OnnxTarget(

@@ -45,7 +45,7 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
         raise TopqError("onnx target cannot run W8A8 (top.MatMulInt8) linears yet; "
                         "use a weight-only scheme (w8/w4, gptq, awq, autoround) or a float one")
     weight_types = {op.attrs["name"]: op.results[0].type for f in job.module for op in f.walk()
-                    if op.name == "top.Weight"}
+                    if op.name == "top.Weight" and isinstance(op.results[0].type, TensorType)}
     # Every quantized linear's layout is checked before any graph is built or any value computed.
     specs = {name: spec for name in sorted(job.linear_weights) if (spec := job.quant_spec(name)) is not None}
     for name, spec in specs.items():
@@ -80,13 +80,16 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
         manifest[graph_name] = TensorType((len(data),), "ui8")
         sources[graph_name] = None
 
+    weight_in = job.weight_in
+    assert weight_in is not None  # CompileJob fills it in __post_init__
+
     def produce(names: Sequence[str]) -> Iterator[tuple[str, np.ndarray]]:
         packed: tuple[str, dict[str, np.ndarray]] | None = None  # the last weight packed (its parts are adjacent)
         for name in names:
             if name in graphs:
                 yield name, np.frombuffer(graphs[name], dtype=np.uint8)
             elif name in weight_types and name not in specs:
-                yield name, job.weight_in(name, dtype)  # type: ignore[misc]
+                yield name, weight_in(name, dtype)
             elif name in weight_types:  # the float table of a quantized weight (see `stored`)
                 yield name, _quantized(job, name).dequantize()
             else:

@@ -88,7 +88,7 @@ class OnnxExecutor:
             graph = with_accuracy_level(graph, self.accuracy_level)
         try:
             return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # ORT raises its own exception types; report which graph failed
+        except Exception as exc:  # noqa: BLE001 - ORT's exception types derive from Exception only
             raise TopqError(f"{self.bundle.path}: ONNX Runtime cannot load @{name}: "
                             f"{str(exc).splitlines()[0]}") from None
 

@@ -141,6 +141,7 @@ class FunctionLowering:
         self.graph = GraphBuilder(function.name)
         self.names: dict[int, str] = {}
         self.weight_of: dict[int, str] = {}  # value id → weight name, for values made by top.Weight
+        self.float_uses = _float_uses(function)
 
     def name(self, value: Value) -> str:
         return self.names[id(value)]
@@ -183,11 +184,15 @@ class FunctionLowering:
         """x @ weightᵀ for a weight in Linear layout [N, K]."""
         wname = self.weight_of.get(id(weight))
         lowering = self.linears(wname) if wname is not None else None
-        if lowering is not None:
+        if wname is not None and lowering is not None:
             for tensor in lowering.tensors:
                 self.graph.external.setdefault(tensor.name, tensor)
             return lowering.emit(self.graph, x, wname)
         return self.graph.one("MatMul", [x, self.graph.transposed(self.name(weight))])
+
+
+def rank(value: Value) -> int:
+    return len(value.shape)
 
 
 def value_info(name: str, type_: Any) -> onnx.ValueInfoProto:
@@ -208,19 +213,15 @@ def _input(lw: FunctionLowering, op: Operation) -> list[str]:
 def _weight(lw: FunctionLowering, op: Operation) -> list[str]:
     name = op.attrs["name"]
     lw.weight_of[id(op.results[0])] = name
-    if lw.linears(name) is not None and not _has_float_use(lw.function, op):
-        return [f"{name}<quantized>"]  # only ever read through `linear`: no float tensor is stored
+    if lw.linears(name) is not None and id(op.results[0]) not in lw.float_uses:
+        return [f"{name}:matmulnbits"]  # only ever read through `linear`, which stores its packed tensors
     return [lw.graph.stored(lw.weights(name))]
 
 
-def _has_float_use(function: Function, weight_op: Operation) -> bool:
-    """Whether a weight is read other than as a linear's right operand (a tied embedding's Gather)."""
-    value = weight_op.results[0]
-    for op in function.walk():
-        for i, operand in enumerate(op.operands):
-            if operand is value and not _is_linear_operand(op, i):
-                return True
-    return False
+def _float_uses(function: Function) -> set[int]:
+    """Ids of the values read other than as a linear's right operand (e.g. a tied embedding's Gather)."""
+    return {id(operand) for op in function.walk() for i, operand in enumerate(op.operands)
+            if not _is_linear_operand(op, i)}
 
 
 def _is_linear_operand(op: Operation, index: int) -> bool:
@@ -251,12 +252,12 @@ def _layernorm(lw: FunctionLowering, op: Operation) -> list[str]:
 def _matmul(lw: FunctionLowering, op: Operation) -> list[str]:
     g = lw.graph
     a, b = op.operands[0], op.operands[1]
-    if op.attrs.get("right_transpose") and b.type.rank == 2:
+    if op.attrs.get("right_transpose") and rank(b) == 2:
         y = lw.linear(lw.name(a), b)
     else:
         right = lw.name(b)
         if op.attrs.get("right_transpose"):
-            perm = list(range(b.type.rank))
+            perm = list(range(rank(b)))
             perm[-1], perm[-2] = perm[-2], perm[-1]
             right = g.one("Transpose", [right], perm=perm)
         y = g.one("MatMul", [lw.name(a), right])
@@ -290,9 +291,9 @@ def _concat(lw: FunctionLowering, op: Operation) -> list[str]:
 
 def _slice(lw: FunctionLowering, op: Operation) -> list[str]:
     g = lw.graph
-    rank = op.operands[0].type.rank
+    axes = list(range(rank(op.operands[0])))
     return [g.one("Slice", [lw.operand(op, 0), g.ints(op.attrs["offset"]), g.ints(op.attrs["ends"]),
-                            g.ints(list(range(rank))), g.ints(op.attrs["steps"])])]
+                            g.ints(axes), g.ints(op.attrs["steps"])])]
 
 
 def _slice_last(g: GraphBuilder, x: str, start: int, end: int, step: int = 1) -> str:

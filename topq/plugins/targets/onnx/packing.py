@@ -24,8 +24,13 @@ import numpy as np
 
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight, QuantSpec
-from topq.plugins.targets.onnx.lowering import MS_DOMAIN, GraphBuilder, LinearLowering, StoredTensor
 from topq.ir.types import TensorType
+from topq.plugins.targets.onnx.lowering import (
+    MS_DOMAIN,
+    GraphBuilder,
+    LinearLowering,
+    StoredTensor,
+)
 
 BITS = (4, 8)
 MIN_BLOCK = 16

@@ -195,3 +195,15 @@ def test_a_bundle_for_another_target_is_refused(pair: Callable[[str], tuple[Bund
     host, _ = pair("llama")
     with pytest.raises(TopqError, match="compiled for host, not onnx"):
         OnnxExecutor(host)
+
+
+def test_bundle_bytes_do_not_depend_on_who_builds_the_units(pair: Callable[[str], tuple[Bundle, Bundle]],
+                                                           tmp_path: Path) -> None:
+    """Two worker processes (units built in parallel, streamed from the build cache) write the same bytes."""
+    import hashlib
+
+    _, bundle = pair("llama")
+    recipe = recipe_from_defaults(**{**bundle.recipe, "output": {"path": str(tmp_path / "jobs2.topq")}})
+    convert(recipe, progress=False, jobs=2, use_cache=True, cache_dir=tmp_path / "cache")
+    digest = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in (bundle.path, tmp_path / "jobs2.topq")]
+    assert digest[0] == digest[1]

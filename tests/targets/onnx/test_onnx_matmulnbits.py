@@ -151,6 +151,8 @@ SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
     "w4_g32_asym": ("llama", {"scheme": "w4bf16", "group_size": 32, "symmetric": False}),
     "w8_per_channel": ("llama", {"scheme": "w8bf16", "group_size": -1}),
     "gptq_act_order": ("llama", {"scheme": "gptq", "group_size": 32, "act_order": True}),
+    "awq_g32": ("llama", {"scheme": "awq", "group_size": 32}),
+    "autoround_g64_sym": ("llama", {"scheme": "autoround", "group_size": 64, "symmetric": True, "iters": 10}),
     "w4_sym_tied_lm_head": ("llama_tied", {"scheme": "w4f16", "group_size": 16, "symmetric": True,
                                            "lm_head": "w4f16"}),
 }
@@ -181,7 +183,7 @@ def exact_reference(bundle: Bundle, recipe: Any) -> Session:
 def test_quantized_tiny_models_match_the_host(tiny: dict[str, Path], case: str) -> None:
     kind, quant = SCHEMES[case]
     d = tiny[kind]
-    if quant["scheme"] == "gptq":
+    if quant["scheme"] in ("gptq", "awq", "autoround"):
         quant = {**quant, "calibration": calibration(d)}
     onnx_bundle, recipe = convert_to(d, "onnx", quant, case)
     host_bundle, _ = convert_to(d, "host", quant, case)
@@ -239,3 +241,49 @@ def test_int8_w8a8_is_refused_with_a_clear_error(tiny: dict[str, Path]) -> None:
     d = tiny["llama"]
     with pytest.raises(TopqError, match=r"onnx target cannot run W8A8 \(top\.MatMulInt8\)"):
         convert_to(d, "onnx", {"scheme": "int8", "calibration": calibration(d)}, "int8")
+
+
+# ------------------------------------------------------------------------------------ pre-quantized checkpoints
+
+def stored_linear_weight(bundle: Bundle, name: str) -> np.ndarray:
+    """The [K, N] weight ORT multiplies by for the bundle's linear `name`: its nodes (the act-order Gather and the
+    MatMulNBits) cut out of the bundle's graph, fed the identity, with the bundle's packed tensors."""
+    import onnx
+
+    graph_name = bundle.meta["target_meta"]["functions"]["block_cache_1"]["graph"]
+    model = onnx.load_from_string(bytes(bundle.tensor(graph_name)))
+    matmul = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[1] == f"{name}.qweight")
+    nodes = [matmul]
+    producer = next((n for n in model.graph.node if matmul.input[0] in n.output and n.op_type == "Gather"), None)
+    if producer is not None:
+        nodes.insert(0, producer)
+    attrs = {a.name: helper.get_attribute_value(a) for a in matmul.attribute}
+    k, n = attrs["K"], attrs["N"]
+    first_input = nodes[0].input[0]
+    inputs = {i for node in nodes for i in node.input} - {first_input} - {o for node in nodes for o in node.output}
+    initializers = [numpy_helper.from_array(np.asarray(bundle.tensor(i)), i) for i in sorted(inputs)]
+    cut = helper.make_model(
+        helper.make_graph(nodes, "cut", [helper.make_tensor_value_info(first_input, TensorProto.FLOAT, [k, k])],
+                          [helper.make_tensor_value_info(matmul.output[0], TensorProto.FLOAT, [k, n])],
+                          initializer=initializers),
+        ir_version=model.ir_version, opset_imports=list(model.opset_import))
+    session = ort.InferenceSession(cut.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {first_input: np.eye(k, dtype=np.float32)})[0]
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "ct"])
+def test_auto_imports_keep_the_checkpoint_values(tiny: dict[str, Path], tmp_path: Path, fmt: str) -> None:
+    """`quant.scheme: auto` on GPTQ (asymmetric, act-order), AWQ and compressed-tensors (symmetric) checkpoints:
+    the weight ORT multiplies by is the checkpoint's own dequantized weight."""
+    from test_quantized_import import write_quantized_llama
+
+    qdir = tmp_path / fmt
+    dequantized = write_quantized_llama(tiny["llama"], qdir, fmt)
+    bundle, _ = convert_to(qdir, "onnx", {"scheme": "auto"}, "auto")
+    assert bundle.meta["target_meta"]["matmul_nbits"] == len(dequantized) == 14
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        got = stored_linear_weight(bundle, name)
+        np.testing.assert_allclose(got, dequantized[name].T, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert ("model.layers.1.mlp.down_proj.weight.perm" in bundle.tensor_names()) == (fmt == "gptq")
+    logits = Session(bundle).feed(IDS, all_logits=True)
+    assert np.isfinite(logits).all() and logits.shape == (len(IDS), 256)

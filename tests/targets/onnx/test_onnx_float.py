@@ -7,6 +7,7 @@ a user can meet.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
 from topq.core.pipeline import convert
 from topq.core.recipe import recipe_from_defaults
-from topq.core.runtime import Session
+from topq.core.runtime import Session, perplexity
 from topq.ir.parser import parse_module
 
 ATOL = 1e-4
@@ -160,7 +161,7 @@ def test_bf16_bundle_stores_bf16_weights_and_matches_host(tiny_host: TinyFactory
     assert max_diff(got, Session(Bundle(tmp_path / "host_bf16.topq")).feed(ids, all_logits=True)) <= ATOL
 
 
-def test_cli_run_and_inspect_work_unchanged(pair: Callable[[str], tuple[Bundle, Bundle]],
+def test_cli_run_inspect_and_eval_work_unchanged(pair: Callable[[str], tuple[Bundle, Bundle]],
                                             capsys: pytest.CaptureFixture[str]) -> None:
     host, bundle = pair("llama")
     capsys.readouterr()
@@ -168,12 +169,14 @@ def test_cli_run_and_inspect_work_unchanged(pair: Callable[[str], tuple[Bundle, 
     got = capsys.readouterr().out
     assert cli.main(["run", str(host.path), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "6", "--json"]) == 0
     ref = capsys.readouterr().out
-    import json
-
     assert json.loads(got)["tokens"] == json.loads(ref)["tokens"]
     assert cli.main(["inspect", str(bundle.path)]) == 0
     text = capsys.readouterr().out
     assert "target   onnx" in text and "onnx: opset 21 + com.microsoft" in text
+    # `topq eval` runs this (the tiny checkpoints have no tokenizer for the command itself)
+    ids = prompt(40, seed=9)
+    got, ref = perplexity(bundle, ids, window=16), perplexity(host, ids, window=16)
+    assert got[1] == ref[1] == 37 and got[0] == pytest.approx(ref[0], rel=1e-5)
 
 
 def test_opening_without_onnxruntime_names_what_to_install(pair: Callable[[str], tuple[Bundle, Bundle]],

@@ -210,3 +210,13 @@ def test_bundle_bytes_do_not_depend_on_who_builds_the_units(pair: Callable[[str]
     convert(recipe, progress=False, jobs=2, use_cache=True, cache_dir=tmp_path / "cache")
     digest = [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in (bundle.path, tmp_path / "jobs2.topq")]
     assert digest[0] == digest[1]
+
+
+def test_converting_without_the_onnx_package_names_what_to_install(pair: Callable[[str], tuple[Bundle, Bundle]],
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    _, bundle = pair("llama")
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    recipe = recipe_from_defaults(**{**bundle.recipe, "output": {"path": str(tmp_path / "x.topq")}})
+    with pytest.raises(TopqError, match=r"needs the onnx package.*pip install 'onnx>=1.17,<2'"):
+        convert(recipe, progress=False)

@@ -37,6 +37,11 @@ def accuracy_level(job: CompileJob) -> int:
 
 
 def compile_bundle(job: CompileJob) -> CompiledModel:
+    try:
+        import onnx  # noqa: F401
+    except ImportError:
+        raise TopqError("the onnx target needs the onnx package, which is not installed: "
+                        "pip install 'onnx>=1.17,<2'") from None
     from topq.plugins.targets.onnx.compiler import compile_onnx
 
     return compile_onnx(job, accuracy_level(job))

@@ -22,6 +22,7 @@ from topq.ir.types import TensorType
 from topq.plugins.targets.onnx import packing
 from topq.plugins.targets.onnx.conventions import PROGRAM_VERSION
 from topq.plugins.targets.onnx.lowering import (
+    ONNX_TYPES,
     OPSET,
     FunctionLowering,
     LinearLowering,
@@ -95,7 +96,11 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
             else:
                 base = packing.weight_of(name)
                 if packed is None or packed[0] != base:
-                    packed = (base, packing.pack(_quantized(job, base), base))
+                    q = _quantized(job, base)
+                    if q.spec != specs[base]:  # the manifest was laid out from the spec
+                        raise TopqError(f"{base}: the scheme's values ({q.spec}) do not match the layout it "
+                                        f"announced ({specs[base]})")
+                    packed = (base, packing.pack(q, base))
                 yield name, packed[1][name]
 
     metadata = {
@@ -118,8 +123,6 @@ def _quantized(job: CompileJob, name: str) -> QuantizedWeight:
 
 
 def _ir_dtype(onnx_dtype: int) -> str:
-    from topq.plugins.targets.onnx.lowering import ONNX_TYPES
-
     for name, code in ONNX_TYPES.items():
         if code == onnx_dtype:
             return name

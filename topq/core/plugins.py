@@ -38,6 +38,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.targets.host",
     "topq.plugins.targets.bm1684x",
     "topq.raw.plugin",
+    "topq.plugins.targets.onnx",
 )
 
 #: hook name → registry kind

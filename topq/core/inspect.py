@@ -31,9 +31,8 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "quant_report": bundle.meta.get("quant_report") or [],
     }
     target = get_plugins().targets.get(bundle.target)
-    report = getattr(target, "report", None)
-    if report is not None:
-        info.update(report(bundle))
+    if target.report is not None:
+        info.update(target.report(bundle))
     return info
 
 

@@ -12,12 +12,16 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import pluggy
 
 from topq.core import hookspecs
+from topq.core.checkpoint import CheckpointFormat
 from topq.core.errors import TopqError, UnknownNameError
+from topq.core.family import ModelFamily
+from topq.core.quant import QuantScheme
+from topq.core.target import Target
 
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.formats.hf",
@@ -44,7 +48,14 @@ HOOKS: dict[str, str] = {
     "register_targets": "target",
 }
 
-T = TypeVar("T")
+class Named(Protocol):
+    """What every registered item has: the name recipes and the CLI use for it."""
+
+    @property
+    def name(self) -> str: ...
+
+
+T = TypeVar("T", bound=Named)
 
 
 class Registry(Generic[T]):
@@ -90,10 +101,10 @@ class PluginInfo:
 @dataclass
 class Plugins:
     manager: pluggy.PluginManager
-    families: Registry[Any]
-    formats: Registry[Any]
-    schemes: Registry[Any]
-    targets: Registry[Any]
+    families: Registry[ModelFamily]
+    formats: Registry[CheckpointFormat]
+    schemes: Registry[QuantScheme]
+    targets: Registry[Target]
     info: list[PluginInfo]
 
     def registry(self, hook: str) -> Registry[Any]:
@@ -143,14 +154,18 @@ def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
         registry = plugins.registry(hook)
         # Call each implementation on its own so we know which plugin registered what.
         for impl in reversed(getattr(manager.hook, hook).get_hookimpls()):
-            owner = impl.plugin_name
-
-            def register(item: Any, owner: str = owner) -> None:
-                registry.register(item, owner)
-                info[owner].registered.setdefault(kind, []).append(item.name)
-
-            impl.function(register=register)
+            impl.function(register=_registrar(registry, kind, info[impl.plugin_name]))
     return plugins
+
+
+def _registrar(registry: Registry[Any], kind: str, plugin: PluginInfo) -> hookspecs.Register[Any]:
+    """The `register` callback one plugin's hook implementation receives."""
+
+    def register(item: Any, /) -> None:
+        registry.register(item, plugin.name)
+        plugin.registered.setdefault(kind, []).append(item.name)
+
+    return register
 
 
 _PLUGINS: Plugins | None = None

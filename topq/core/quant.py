@@ -66,7 +66,7 @@ class QuantScheme:
     `quantize(weight, options)` returns a QuantizedWeight for one linear weight [N, K] (round-to-nearest schemes).
     `calibrate(model, recipe, *, executor)` (schemes that need data: GPTQ, AWQ, AutoRound, INT8) runs the float
     model on the recipe's calibration data and returns {weight name: QuantizedWeight} plus anything it wants in the
-    bundle (a `topq.quant.calibration.CalibrationResult`: `float_weights`, `report`, `state`). `executor` is the
+    bundle (a `topq.core.calibration_result.CalibrationResult`: `float_weights`, `report`, `state`). `executor` is the
     conversion's `topq.core.executors.TaskExecutor`, for the per-sample work (`run_calibration` uses it); the
     pipeline passes it only to a `calibrate` that declares an `executor` parameter (or **kwargs), so two-argument
     calibrate functions keep working, in this process.
@@ -77,6 +77,10 @@ class QuantScheme:
     re-applies in the worker whatever else `calibrate` did to the model (int8 rewrites the program from the plan
     in `state`). A scheme whose calibrate changes the model in other ways and has no `restore` cannot be
     distributed exactly.
+
+    `error_report(model, recipe, scheme, executor)`, for a weight-by-weight scheme (`quantize`, no `calibrate`), is
+    run when the recipe gives calibration data: a CalibrationResult without values whose `report` lists each
+    linear's output error on that data (the RTN schemes use `topq.quant.calibration.quantization_report`).
     """
 
     name: str
@@ -89,7 +93,29 @@ class QuantScheme:
     calibrate: Callable[..., Mapping[str, QuantizedWeight]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     restore: Callable[[Any, Any, Any], None] | None = None
+    error_report: Callable[[Any, Any, QuantScheme, Any], Mapping[str, QuantizedWeight]] | None = None
 
     @property
     def is_float(self) -> bool:
         return self.weight_bits is None
+
+
+def resolve_group_size(group_size: int | None, k: int, what: str = "weight") -> int:
+    """The effective group size for input size `k`: 0, -1 or None mean one group per row (per channel)."""
+    if group_size is None or group_size <= 0:
+        return k
+    if k % group_size:
+        raise TopqError(f"quant.group_size {group_size} does not divide the input size {k} of {what}")
+    return int(group_size)
+
+
+def to_signed_symmetric(weight: QuantizedWeight) -> QuantizedWeight:
+    """An offset-symmetric weight (zeros all 2^(bits-1)) as signed codes with zeros 0; the same values."""
+    offset = 1 << (weight.bits - 1)
+    if not np.all(np.asarray(weight.zeros) == offset):
+        raise TopqError(f"not an offset-symmetric weight: zeros are not all {offset}")
+    dtype = np.int8 if weight.bits <= 8 else np.int16
+    return QuantizedWeight(
+        codes=(weight.codes.astype(np.int16) - offset).astype(dtype),
+        scales=weight.scales, zeros=np.zeros_like(weight.zeros), bits=weight.bits,
+        group_size=weight.group_size, symmetric=True, g_idx=weight.g_idx)

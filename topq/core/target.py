@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from topq.core.family import ModelSpec
     from topq.ir.graph import Module
     from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
-    from topq.ir.types import round_to_dtype
 
 
 @dataclass
@@ -40,8 +39,7 @@ class CompileJob:
 
     def __post_init__(self) -> None:
         if self.weight_in is None:
-            from topq.ir.types import round_to_dtype
-            from topq.ir.types import ELEMENT_TYPES
+            from topq.ir.types import ELEMENT_TYPES, round_to_dtype
 
             self.weight_in = lambda name, dtype: round_to_dtype(self.weights(name), dtype).astype(ELEMENT_TYPES[dtype])
 
@@ -79,3 +77,6 @@ class Target:
     open: Callable[[Bundle], Executor]
     schemes: tuple[str, ...] = ()  # quant schemes it can run; empty = all float schemes only
     perf: Callable[..., Any] | None = None
+    #: what `topq inspect` adds for this target's bundles (memory map, layer groups, predicted speed): keys merged
+    #: into the JSON description, and optional `text_sections` (list of str) printed after the tables
+    report: Callable[[Bundle], dict[str, Any]] | None = None

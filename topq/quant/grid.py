@@ -17,19 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight
+from topq.core.quant import QuantizedWeight, resolve_group_size
 
 #: a group whose range is zero (all zeros) gets this scale: codes stay at the zero point and dequantize to 0.
 TINY_SCALE = 1e-12
-
-
-def resolve_group_size(group_size: int | None, k: int, what: str = "weight") -> int:
-    """The effective group size for input size `k`: 0, -1 or None mean one group per row (per channel)."""
-    if group_size is None or group_size <= 0:
-        return k
-    if k % group_size:
-        raise TopqError(f"quant.group_size {group_size} does not divide the input size {k} of {what}")
-    return int(group_size)
 
 
 def check_bits(bits: int) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import topq
+from topq.core.hookspecs import Register
 from topq.core.family import (
     DECODER_LAYER_WEIGHTS,
     DECODER_QUANT_GROUPS,
@@ -49,5 +50,5 @@ FAMILY = ModelFamily(
 
 
 @topq.hookimpl
-def register_model_families(register: Callable[[ModelFamily], None]) -> None:
+def register_model_families(register: Register[ModelFamily]) -> None:
     register(FAMILY)

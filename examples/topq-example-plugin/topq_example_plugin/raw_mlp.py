@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 
 import topq
+from topq.core.hookspecs import Register
 from topq.core.family import ModelFamily
 from topq.ir.graph import Value
 from topq.core.stages import BlockContext
@@ -53,5 +54,5 @@ FAMILY_RAW = dataclasses.replace(
 
 
 @topq.hookimpl
-def register_model_families(register: Callable[[ModelFamily], None]) -> None:
+def register_model_families(register: Register[ModelFamily]) -> None:
     register(FAMILY_RAW)

@@ -10,6 +10,7 @@ is applied to raw quantized rows too: a block never spans two rows, so it is los
 from __future__ import annotations
 
 import topq
+from topq.core.hookspecs import Register
 
 import re
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from topq.core.checkpoint import Checkpoint, CheckpointFormat, normalize_rope, tokenizer_files_of
+from topq.core.checkpoint import BaseWeightStore, Checkpoint, CheckpointFormat, normalize_rope, tokenizer_files_of
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
 from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
@@ -76,7 +77,7 @@ def _f32_literal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-class GGUFStore:
+class GGUFStore(BaseWeightStore):
     """WeightStore over a GGUF file; tensors are dequantized lazily, one at a time."""
 
     def __init__(self, path: Path, reader: Any, entries: dict[str, _Entry]) -> None:
@@ -287,5 +288,5 @@ FORMAT = CheckpointFormat("gguf", detect, open_checkpoint)
 
 
 @topq.hookimpl
-def register_checkpoint_formats(register) -> None:  # type: ignore[no-untyped-def]
+def register_checkpoint_formats(register: Register[CheckpointFormat]) -> None:
     register(FORMAT)

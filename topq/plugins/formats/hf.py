@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 import topq
+from topq.core.checkpoint import BaseWeightStore
+from topq.core.hookspecs import Register
 from topq.core.checkpoint import (
     Checkpoint,
     CheckpointFormat,
@@ -30,7 +32,7 @@ __all__ = ["FORMAT", "SafetensorsStore", "detect", "open_checkpoint"]
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class SafetensorsStore:
+class SafetensorsStore(BaseWeightStore):
     """A WeightStore over one or more safetensors files (a sharded checkpoint)."""
 
     def __init__(self, files: list[SafetensorsFile], where: Path) -> None:
@@ -169,5 +171,5 @@ FORMAT = CheckpointFormat("hf", detect, open_checkpoint)
 
 
 @topq.hookimpl
-def register_checkpoint_formats(register) -> None:  # type: ignore[no-untyped-def]
+def register_checkpoint_formats(register: Register[CheckpointFormat]) -> None:
     register(FORMAT)

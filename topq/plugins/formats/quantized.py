@@ -50,9 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.checkpoint import WeightStore
+from topq.core.checkpoint import BaseWeightStore, WeightStore
 from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight
+from topq.core.quant import QuantizedWeight, to_signed_symmetric
 
 __all__ = [
     "AWQ_ORDER",
@@ -165,18 +165,6 @@ def _scales(array: np.ndarray) -> np.ndarray:
     if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
         raise TopqError(f"scales must be floating point, got {array.dtype}")
     return np.array(array)
-
-
-def to_signed_symmetric(weight: QuantizedWeight) -> QuantizedWeight:
-    """An offset-symmetric weight (zeros all 2^(bits-1)) as signed codes with zeros 0; the same values."""
-    offset = 1 << (weight.bits - 1)
-    if not np.all(np.asarray(weight.zeros) == offset):
-        raise TopqError(f"not an offset-symmetric weight: zeros are not all {offset}")
-    dtype = np.int8 if weight.bits <= 8 else np.int16
-    return QuantizedWeight(
-        codes=(weight.codes.astype(np.int16) - offset).astype(dtype),
-        scales=weight.scales, zeros=np.zeros_like(weight.zeros), bits=weight.bits,
-        group_size=weight.group_size, symmetric=True, g_idx=weight.g_idx)
 
 
 # ------------------------------------------------------------------------------------------------ unpackers
@@ -545,7 +533,7 @@ class _Layer:
     parts: dict[str, str]  # role -> stored tensor name
 
 
-class QuantizedStore:
+class QuantizedStore(BaseWeightStore):
     """A WeightStore over a pre-quantized checkpoint that looks like a float one.
 
     Each packed linear (``<prefix>.qweight`` & co. or ``<prefix>.weight_packed`` & co.) appears as

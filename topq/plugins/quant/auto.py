@@ -8,6 +8,7 @@ k-quants) are dequantized, and the conversion warns naming those types.
 from __future__ import annotations
 
 import topq
+from topq.core.hookspecs import Register
 from topq.core.quant import QuantScheme
 
 SCHEME = QuantScheme(
@@ -19,5 +20,5 @@ SCHEME = QuantScheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

@@ -25,6 +25,8 @@ import numpy as np
 from tqdm import tqdm
 
 import topq
+from topq.core.hookspecs import Register
+from topq.core.quant import QuantScheme
 from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.core.quant import QuantizedWeight
 from topq.quant.grid import (
@@ -168,5 +170,5 @@ SCHEME = calibration_scheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 import topq
+from topq.core.hookspecs import Register
+from topq.core.quant import QuantScheme
 from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
@@ -146,5 +148,5 @@ SCHEME = calibration_scheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

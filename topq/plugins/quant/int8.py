@@ -34,6 +34,7 @@ import yaml
 from tqdm import tqdm
 
 import topq
+from topq.core.hookspecs import Register
 from topq.core.errors import TopqError
 from topq.ir.int8 import QMAX, quantize_weight
 from topq.ir.interpreter import Interpreter, Step
@@ -818,5 +819,5 @@ SCHEME = QuantScheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

@@ -24,9 +24,11 @@ from typing import Any
 import numpy as np
 
 import topq
+from topq.core.hookspecs import Register
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.ir.types import round_to_dtype
+from topq.quant.calibration import quantization_report
 from topq.quant.grid import code_range, make_quantized, resolve_group_size
 
 OPTIONS = ("bits", "group_size", "symmetric", "lm_head")
@@ -87,6 +89,7 @@ def _scheme(bits: int, dtype: str) -> QuantScheme:
         weight_bits=bits,
         options=OPTIONS,
         quantize=functools.partial(quantize, bits=bits, compute_dtype=dtype),
+        error_report=quantization_report,
     )
 
 
@@ -94,6 +97,6 @@ SCHEMES = tuple(_scheme(bits, dtype) for dtype in ("bf16", "f16") for bits in (8
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     for scheme in SCHEMES:
         register(scheme)

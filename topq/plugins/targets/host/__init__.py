@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 import topq
+from topq.core.hookspecs import Register
 import topq.raw  # noqa: F401  (registers top.DSLRegion and its host kernel: bundles may contain raw kernels)
 from topq.core.bundle import Bundle
 from topq.ir.interpreter import Interpreter
@@ -55,5 +56,5 @@ TARGET = Target(
 
 
 @topq.hookimpl
-def register_targets(register) -> None:  # type: ignore[no-untyped-def]
+def register_targets(register: Register[Target]) -> None:
     register(TARGET)

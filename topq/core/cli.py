@@ -105,6 +105,7 @@ def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool,
     # Text prompts need the tokenizer; --prompt-ids uses it to show text when the bundle has one.
     tokenizer = loaded.tokenizer if prompt is not None or loaded.meta.get("tokenizer") else None
     if prompt is not None:
+        assert tokenizer is not None  # chosen just above for a text prompt
         if use_chat:
             ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -312,9 +313,9 @@ def plugins(as_json: bool) -> None:
     if as_json:
         _emit_json({"plugins": rows})
         return
-    for row in rows:
-        click.echo(f"{row['name']}  ({row['source']})")
-        for kind, names in row["registered"].items():
+    for info in loaded.info:
+        click.echo(f"{info.name}  ({info.source})")
+        for kind, names in info.registered.items():
             click.echo(f"    {kind}: {', '.join(names)}")
 
 

@@ -108,12 +108,13 @@ class Plugins:
     info: list[PluginInfo]
 
     def registry(self, hook: str) -> Registry[Any]:
-        return {
+        registries: dict[str, Registry[Any]] = {
             "register_model_families": self.families,
             "register_checkpoint_formats": self.formats,
             "register_quant_schemes": self.schemes,
             "register_targets": self.targets,
-        }[hook]
+        }
+        return registries[hook]
 
 
 def _third_party_entry_points() -> list[tuple[metadata.EntryPoint, metadata.Distribution | None]]:

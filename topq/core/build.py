@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 import topq
-from topq.core.executors import InlineExecutor, TaskExecutor
-from topq.ir.printer import print_function
-from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
 from topq.core.calibration_result import CalibrationResult, save_calibration
 from topq.core.checkpoint import WeightStore
+from topq.core.executors import InlineExecutor, TaskExecutor
 from topq.core.target import CompiledModel
+from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
+from topq.ir.printer import print_function
 
 if TYPE_CHECKING:
     from topq.core.pipeline import LoadedModel
@@ -80,8 +80,8 @@ def recipe_key(recipe: dict[str, Any]) -> str:
 
 
 def store_calibration(prepared: Prepared, cache_dir: Path | None) -> Path | None:
-    """Store the calibration result for workers that do not share this process's memory (`pipeline.compile_unit` loads it);
-    return the directory to delete after the conversion (None: nothing to store)."""
+    """Store the calibration result for workers that do not share this process's memory (`pipeline.compile_unit`
+    loads it); return the directory to delete after the conversion (None: nothing to store)."""
     if prepared.calibration.empty:
         return None
     parent = None

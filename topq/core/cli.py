@@ -286,8 +286,8 @@ def ir() -> None:
 def ir_check(file: str) -> None:
     """Parse and verify FILE, then print it in canonical form (like mlir-opt)."""
     import topq.raw  # noqa: F401  (registers the kernel IR ops and top.DSLRegion)
-    from topq.ir.parser import parse_module
     from topq.core.plugins import get_plugins
+    from topq.ir.parser import parse_module
     from topq.ir.printer import print_module
     from topq.ir.verifier import verify_module
 

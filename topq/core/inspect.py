@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from topq.core.bundle import Bundle
-from topq.ir.parser import parse_module
 from topq.core.plugins import get_plugins
+from topq.ir.parser import parse_module
 
 
 def describe(bundle: Bundle) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,21 +27,20 @@ from topq.core.build import (
     store_calibration,
     write_unit,
 )
-from topq.core.calibration_result import CalibrationResult, load_calibration
 from topq.core.bundle import write_bundle
+from topq.core.calibration_result import CalibrationResult, load_calibration
 from topq.core.checkpoint import WEIGHT_STORE_METHODS, Checkpoint, CheckpointFormat, WeightStore
 from topq.core.errors import TopqError
 from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
-from topq.ir.graph import Module
 from topq.core.plugins import Plugins, get_plugins
-from topq.ir.printer import print_function
 from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, resolve_group_size, to_signed_symmetric
-from topq.ir.types import round_to_dtype
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.core.target import CompileJob
-from topq.ir.types import ELEMENT_TYPES
+from topq.ir.graph import Module
+from topq.ir.printer import print_function
+from topq.ir.types import ELEMENT_TYPES, round_to_dtype
 from topq.ir.verifier import verify_module
 
 

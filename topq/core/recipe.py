@@ -60,7 +60,7 @@ class Field:
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
-    item: Union["Field", "Schema", None] = None
+    item: Field | Schema | None = None
     path: bool = False
 
 
@@ -180,7 +180,7 @@ def _parse_yaml(text: str) -> Any:
 
 # --------------------------------------------------------------------------- paths and sources
 
-PathKey = tuple[Union[str, int], ...]
+PathKey = tuple[str | int, ...]
 
 
 def _fmt(path: PathKey) -> str:
@@ -357,7 +357,7 @@ def _resolve_paths(data: dict[str, Any], src: _Sources) -> dict[str, str]:
     return original
 
 
-def _validate(raw: Any, src: _Sources) -> "Recipe":
+def _validate(raw: Any, src: _Sources) -> Recipe:
     data = _check_section(SCHEMA, raw, (), src)
     _check_cross(data, src)
     original = _resolve_paths(data, src)
@@ -481,7 +481,7 @@ class Recipe(Section):
         object.__setattr__(self, "_original", dict(original or {}))
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "<dict>") -> "Recipe":
+    def from_dict(cls, d: Any, source: str = "<dict>") -> Recipe:
         """Validate a plain nested dict (e.g. a bundle's stored recipe) like a file."""
         return _validate(copy.deepcopy(d), _Sources(source))
 

@@ -13,8 +13,8 @@ from topq.ir.types import TensorType
 if TYPE_CHECKING:
     from topq.core.bundle import Bundle
     from topq.core.family import ModelSpec
-    from topq.ir.graph import Module
     from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
+    from topq.ir.graph import Module
 
 
 @dataclass

@@ -227,7 +227,8 @@ class _Parser:
         if result_name is None and result_types:
             self.fail_at(self.starts[op_start], f"{name} has results but no name for them")
         if result_name is not None and len(result_types) != count:
-            self.fail_at(self.starts[op_start], f"{name}: {count} result name(s) for {len(result_types)} result type(s)")
+            self.fail_at(self.starts[op_start],
+                         f"{name}: {count} result name(s) for {len(result_types)} result type(s)")
         op = Operation(name, operands, result_types, attrs, regions, loc)
         if result_name is not None:
             if result_name in self.values:

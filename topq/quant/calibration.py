@@ -41,9 +41,11 @@ from topq.core.calibration_result import CalibrationResult, load_calibration, sa
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
 from topq.core.family import ModelSpec
-from topq.ir.interpreter import Interpreter, Step
-from topq.ir.graph import Function, Module, Operation, Value
 from topq.core.quant import QuantizedWeight, QuantScheme
+from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.ir.graph import Function, Module, Operation, Value
+from topq.ir.interpreter import Interpreter, Step
+from topq.ir.reference_ops import mlp_activation
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
@@ -51,8 +53,6 @@ from topq.quant.grid import (
     quantize_groups,
     resolve_group_size,
 )
-from topq.ir.reference_ops import mlp_activation
-from topq.core.stages import StageConfig, build_program, rope_weights
 
 if TYPE_CHECKING:
     from topq.core.pipeline import LoadedModel
@@ -335,7 +335,10 @@ class LayerState:
             error = float(output_error(w, w_eff, h).sum())
             # ||X Wᵀ||² over the same inputs: the errors below are relative Frobenius norms of the outputs
             reference = float(output_error(w, np.zeros_like(w), h).sum())
-            rel = (lambda e, reference=reference: float(np.sqrt(e / reference)) if reference > 0 else 0.0)
+
+            def rel(e: float, reference: float = reference) -> float:
+                return float(np.sqrt(e / reference)) if reference > 0 else 0.0
+
             self.result.report.append({"name": name, "rtn_error": rel(rtn_error), "error": rel(error),
                                        "ratio": error / rtn_error if rtn_error > 0 else 0.0})
 

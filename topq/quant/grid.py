@@ -2,7 +2,8 @@
 
 One convention everywhere (what `QuantizedWeight.dequantize` expects):
 
-* asymmetric: codes in [0, 2^b - 1], scale = (max - min) / (2^b - 1), zero = round(-min / scale), w ≈ (code - zero) * scale.
+* asymmetric: codes in [0, 2^b - 1], scale = (max - min) / (2^b - 1), zero = round(-min / scale),
+  w ≈ (code - zero) * scale.
   The group range is widened to include 0 (min ≤ 0 ≤ max), as GPTQ and AutoRound do, so the zero point is always a
   valid code and an all-positive group cannot lose its small values.
 * symmetric: codes in [-2^(b-1), 2^(b-1) - 1], zero = 0, scale = absmax / (2^(b-1) - 1): the largest magnitude maps to

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from topq.core.errors import TopqError
 from topq.ir.builder import Builder
 from topq.ir.catalogue import CATALOGUE, AttrSpec, InferError, define
-from topq.core.errors import TopqError
-from topq.ir.interpreter import REGION_KERNELS
 from topq.ir.graph import Operation, Region, Value
+from topq.ir.interpreter import REGION_KERNELS
 from topq.ir.rewrite import Pattern, Rewriter
 from topq.ir.types import TensorType, Type
 from topq.raw.annotations import ParamKind

@@ -7,11 +7,10 @@ from it). It imports only the public `topq.core` API, never another plugin.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import topq
-from topq.core.hookspecs import Register
 from topq.core.family import (
     DECODER_LAYER_WEIGHTS,
     DECODER_QUANT_GROUPS,
@@ -19,8 +18,9 @@ from topq.core.family import (
     ModelSpec,
     normalize_llama_like,
 )
-from topq.ir.graph import Value
+from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
+from topq.ir.graph import Value
 
 __version__ = "0.1.0"
 

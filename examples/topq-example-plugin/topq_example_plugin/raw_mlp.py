@@ -9,13 +9,12 @@ own entry point (`example-raw`), so the plain `example-llama` family stays exact
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import topq
-from topq.core.hookspecs import Register
 from topq.core.family import ModelFamily
-from topq.ir.graph import Value
+from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
+from topq.ir.graph import Value
 from topq.raw import InOut, Input, exp, kernel, raw_call
 from topq_example_plugin import FAMILY
 

@@ -9,9 +9,6 @@ is applied to raw quantized rows too: a block never spans two rows, so it is los
 
 from __future__ import annotations
 
-import topq
-from topq.core.hookspecs import Register
-
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,8 +16,10 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
+import topq
 from topq.core.checkpoint import BaseWeightStore, Checkpoint, CheckpointFormat, normalize_rope, tokenizer_files_of
 from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight
 from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
 
@@ -44,7 +43,8 @@ _BLOCK_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
-_PLAIN_NP = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64"}
+_PLAIN_NP = {"F32": "float32", "F16": "float16", "F64": "float64",
+             "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64"}
 
 
 def gguf_to_hf_name(name: str) -> str:

@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 
 import topq
-from topq.core.checkpoint import BaseWeightStore
-from topq.core.hookspecs import Register
 from topq.core.checkpoint import (
+    BaseWeightStore,
     Checkpoint,
     CheckpointFormat,
     WeightStore,
@@ -24,8 +23,9 @@ from topq.core.checkpoint import (
     tokenizer_files_of,
 )
 from topq.core.errors import TopqError
-from topq.plugins.formats.quantized import QuantizedStore, read_quantization_config
+from topq.core.hookspecs import Register
 from topq.io.safetensors import SafetensorsFile
+from topq.plugins.formats.quantized import QuantizedStore, read_quantization_config
 
 __all__ = ["FORMAT", "SafetensorsStore", "detect", "open_checkpoint"]
 
@@ -42,7 +42,8 @@ class SafetensorsStore(BaseWeightStore):
         for f in files:
             for name in f.names():
                 if name in self._owner:
-                    raise TopqError(f"{where}: tensor {name!r} is in both {self._owner[name].path.name} and {f.path.name}")
+                    raise TopqError(f"{where}: tensor {name!r} is in both {self._owner[name].path.name} "
+                                    f"and {f.path.name}")
                 self._owner[name] = f
 
     def _file(self, name: str) -> SafetensorsFile:

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import topq
-from topq.core.hookspecs import Register
 from topq.core.family import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, ModelFamily, ModelSpec, normalize_llama_like
-from topq.ir.graph import Value
+from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
+from topq.ir.graph import Value
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:

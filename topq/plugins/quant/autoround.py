@@ -26,9 +26,8 @@ from tqdm import tqdm
 
 import topq
 from topq.core.hookspecs import Register
-from topq.core.quant import QuantScheme
+from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
-from topq.core.quant import QuantizedWeight
 from topq.quant.grid import (
     TINY_SCALE,
     check_bits,

@@ -21,16 +21,15 @@ from typing import Any
 import numpy as np
 
 import topq
+from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
-from topq.core.quant import QuantScheme
+from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.quant.calibration import (
     FoldTarget,
     GroupInputs,
     LayerState,
     calibration_scheme,
 )
-from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight
 from topq.quant.grid import (
     check_bits,
     fake_quant,

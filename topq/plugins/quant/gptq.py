@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 
 import topq
-from topq.core.hookspecs import Register
-from topq.core.quant import QuantScheme
-from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight
+from topq.core.hookspecs import Register
+from topq.core.quant import QuantizedWeight, QuantScheme
+from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.quant.grid import (
     check_bits,
     make_quantized,

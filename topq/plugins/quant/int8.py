@@ -34,18 +34,17 @@ import yaml
 from tqdm import tqdm
 
 import topq
-from topq.core.hookspecs import Register
 from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
+from topq.core.quant import QuantScheme
+from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.ir.graph import Function, Module, Operation, Value
 from topq.ir.int8 import QMAX, quantize_weight
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.graph import Function, Module, Operation, Value
-from topq.quant.observers import Observer
-from topq.core.quant import QuantScheme
-from topq.ir.types import round_to_dtype
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_activation
 from topq.ir.rewrite import Rewriter, apply_patterns
-from topq.core.stages import StageConfig, build_program, rope_weights
-from topq.ir.types import TensorType
+from topq.ir.types import TensorType, round_to_dtype
+from topq.quant.observers import Observer
 
 OPTIONS = ("observer", "percentile", "smooth_alpha", "dynamic_tokens", "budget", "table", "calibration", "lm_head")
 TABLE_VERSION = 1

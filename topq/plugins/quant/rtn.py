@@ -10,7 +10,8 @@ float32, per group of `group_size` weights along K:
 
 `round` is C's `std::round` (halves away from zero), not numpy's half-to-even. An asymmetric group whose range is
 zero (a constant c) would divide by zero: it gets the scale |c| (1 for an all-zero group), so c is code - zp = ±1
-(0) times its scale and dequantizes to c as stored; an all-zero symmetric group gets scale 1 and codes 0. The compiler stores the scales in the compute dtype, so the returned scales are already rounded to it: the
+(0) times its scale and dequantizes to c as stored; an all-zero symmetric group gets scale 1 and codes 0. The
+compiler stores the scales in the compute dtype, so the returned scales are already rounded to it: the
 values here are exactly what the chip multiplies by, and the host target's dequantized weights match the chip's
 bit for bit. Storage layout (packing) is the target's business.
 """
@@ -24,8 +25,8 @@ from typing import Any
 import numpy as np
 
 import topq
-from topq.core.hookspecs import Register
 from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.ir.types import round_to_dtype
 from topq.quant.calibration import quantization_report

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import topq
-from topq.core.hookspecs import Register
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
 from topq.core.target import Target
 from topq.plugins.targets.bm1684x.compiler import PROGRAM_VERSION, compile_model
 from topq.plugins.targets.bm1684x.emulator import Emulator, checker_requested

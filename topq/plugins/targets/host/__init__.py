@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 import topq
-from topq.core.hookspecs import Register
 import topq.raw  # noqa: F401  (registers top.DSLRegion and its host kernel: bundles may contain raw kernels)
 from topq.core.bundle import Bundle
+from topq.core.hookspecs import Register
+from topq.core.target import CompiledModel, CompileJob, Target
 from topq.ir.interpreter import Interpreter
 from topq.ir.parser import parse_module
 from topq.ir.printer import print_module
 from topq.ir.types import round_to_dtype
-from topq.core.target import CompiledModel, CompileJob, Target
 
 
 def weight_names(module) -> list[str]:  # type: ignore[no-untyped-def]

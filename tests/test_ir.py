@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from ir_gen import EVERY_KIND_ATTRS, NASTY_STRING, Dims, build_module, op_table_rows
 
+from topq.core.errors import TopqError
 from topq.ir.builder import Builder
 from topq.ir.catalogue import CATALOGUE
-from topq.core.errors import TopqError
 from topq.ir.graph import Function, Module, Operation
 from topq.ir.parser import IRParseError, parse_module
 from topq.ir.printer import print_module
@@ -225,7 +225,8 @@ def test_verifier_catches_use_before_definition(text: str) -> None:
     ops = copy["block_3"].ops
     index, _ = find_op(copy["block_3"], "top.Gather", "layers.3.rope_cos")
     ops[index - 1], ops[index] = ops[index], ops[index - 1]  # the Gather now precedes its table
-    with pytest.raises(VerifyError, match=r'@block_3: op #0 top.Gather loc\("layers.3.rope_cos"\): operand used before'):
+    with pytest.raises(VerifyError,
+                       match=r'@block_3: op #0 top.Gather loc\("layers.3.rope_cos"\): operand used before'):
         verify_module(copy)
 
 
@@ -370,9 +371,11 @@ def test_every_top_op_is_documented_in_ir_md() -> None:
     top_ops = [n for n in CATALOGUE if n.startswith("top.")]
     assert len(top_ops) >= 20
     undocumented = [n for n in top_ops if f"| `{n}` |" not in docs]
-    assert not undocumented, f"docs/ir.md has no op-table row for {undocumented}; regenerate: python -m tests.ir_gen --op-table"
+    assert not undocumented, \
+        f"docs/ir.md has no op-table row for {undocumented}; regenerate: python -m tests.ir_gen --op-table"
     stale = [row for row in op_table_rows() if row not in docs]
-    assert not stale, "docs/ir.md op table is out of date; regenerate: python -m tests.ir_gen --op-table\n" + "\n".join(stale)
+    assert not stale, \
+        "docs/ir.md op table is out of date; regenerate: python -m tests.ir_gen --op-table\n" + "\n".join(stale)
 
 
 def test_ir_md_examples_parse_and_verify() -> None:

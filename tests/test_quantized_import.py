@@ -19,14 +19,14 @@ import torch
 
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
+from topq.io.safetensors import SafetensorsFile, write_safetensors
+from topq.plugins.formats import gguf_file, hf
 from topq.plugins.formats.quantized import (
     QuantizedStore,
     parse_quantization_config,
     to_signed_symmetric,
     unpack_gguf,
 )
-from topq.io.safetensors import SafetensorsFile, write_safetensors
-from topq.plugins.formats import gguf_file, hf
 
 RNG_SEED = 1234
 AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ WQLinear_GEMM.from_linear `order_map`

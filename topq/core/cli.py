@@ -110,6 +110,7 @@ def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool,
     # Text prompts need the tokenizer; --prompt-ids uses it to show text when the bundle has one.
     tokenizer = loaded.tokenizer if prompt is not None or loaded.meta.get("tokenizer") else None
     if prompt is not None:
+        assert tokenizer is not None  # chosen just above for a text prompt
         if use_chat:
             ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -289,8 +290,8 @@ def ir() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 def ir_check(file: str) -> None:
     """Parse and verify FILE, then print it in canonical form (like mlir-opt)."""
-    from topq.ir.parser import parse_module
     from topq.core.plugins import get_plugins
+    from topq.ir.parser import parse_module
     from topq.ir.printer import print_module
     from topq.ir.verifier import verify_module
 
@@ -319,9 +320,9 @@ def plugins(as_json: bool) -> None:
     if as_json:
         _emit_json({"plugins": rows, "scheme_options": schemes})
         return
-    for row in rows:
-        click.echo(f"{row['name']}  ({row['source']})")
-        for kind, names in row["registered"].items():
+    for info in loaded.info:
+        click.echo(f"{info.name}  ({info.source})")
+        for kind, names in info.registered.items():
             click.echo(f"    {kind}: {', '.join(names)}")
     click.echo("scheme options (quant.<name>):")
     for scheme, options in schemes.items():

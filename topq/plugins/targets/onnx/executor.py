@@ -101,7 +101,7 @@ class OnnxExecutor:
     def run(self, name: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
         session = self.session(name)
         feeds = {}
-        for i, (arg, value) in enumerate(zip(session.get_inputs(), inputs)):
+        for arg, value in zip(session.get_inputs(), inputs):
             feeds[arg.name] = np.ascontiguousarray(value, dtype=_NP_TYPES.get(arg.type, None))
         return list(session.run(None, feeds))
 

@@ -1,7 +1,7 @@
 """The hooks a topq plugin implements. Each receives a `register` callback (the style of simonw/llm).
 
 A plugin is a module (or object) with functions decorated by `topq.hookimpl`; it registers built-in
-or third-party model families, checkpoint formats, quantization schemes and targets. Every hook is
+or third-party model families, checkpoint formats, quantization schemes, targets and exporters. Every hook is
 documented in docs/plugins.md (a test checks that).
 """
 
@@ -14,6 +14,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from topq.core.checkpoint import CheckpointFormat
+    from topq.core.exporter import Exporter
     from topq.core.family import ModelFamily
     from topq.core.quant import QuantScheme
     from topq.core.target import Target
@@ -41,3 +42,8 @@ def register_quant_schemes(register: Callable[[QuantScheme], None]) -> None:
 @hookspec
 def register_targets(register: Callable[[Target], None]) -> None:
     """Register targets: a chip spec, its dialect and lowering, passes, bundle code, runtime and perf model."""
+
+
+@hookspec
+def register_exporters(register: Callable[[Exporter], None]) -> None:
+    """Register exporters (`topq export KIND SOURCE DIR`): hand a model to another tool, e.g. TPU-MLIR."""

@@ -1,4 +1,4 @@
-"""The plugin manager and the four registries it fills.
+"""The plugin manager and the registries it fills.
 
 Built-in plugins load from an explicit list; third-party plugins load from the `topq` entry-point
 group. `TOPQ_LOAD_PLUGINS` (comma-separated entry-point or distribution names; empty for none)
@@ -34,6 +34,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.quant.int8",
     "topq.plugins.targets.host",
     "topq.plugins.targets.bm1684x",
+    "topq.plugins.exporters.tpu_mlir",
 )
 
 #: hook name → registry kind
@@ -42,6 +43,7 @@ HOOKS: dict[str, str] = {
     "register_checkpoint_formats": "checkpoint format",
     "register_quant_schemes": "quant scheme",
     "register_targets": "target",
+    "register_exporters": "exporter",
 }
 
 T = TypeVar("T")
@@ -95,6 +97,7 @@ class Plugins:
     schemes: Registry[Any]
     targets: Registry[Any]
     info: list[PluginInfo]
+    exporters: Registry[Any] = field(default_factory=lambda: Registry("exporter"))
 
     def registry(self, hook: str) -> Registry[Any]:
         return {
@@ -102,6 +105,7 @@ class Plugins:
             "register_checkpoint_formats": self.formats,
             "register_quant_schemes": self.schemes,
             "register_targets": self.targets,
+            "register_exporters": self.exporters,
         }[hook]
 
 

@@ -1,0 +1,188 @@
+"""Exporter `tpu-mlir`: topq's Top IR as the Top MLIR + weight npz TPU-MLIR compiles into BM1684X bmodels.
+
+`topq export tpu-mlir RECIPE_OR_BUNDLE DIR` writes one directory per net, named as LLM-TPU's runtime expects
+(embedding, embedding_cache, block_i, block_kv_i, block_cache_i, lm_head, greedy_head), each with `NAME.mlir`
+and `NAME_top_weights.npz`, and `DIR/export.json` (nets, inputs, outputs, the model_deploy arguments). With a
+TPU-MLIR installation (`--tpu-mlir PYTHON` or $TOPQ_TPU_MLIR) it also runs model_deploy.py per net in parallel
+and `model_tool --combine` into `DIR/model.bmodel`.
+
+This is the float route: weights are exported in float32 and TPU-MLIR quantizes them (RTN) as the recipe's
+scheme asks (`--quantize`). Options (`--option KEY=VALUE`): `quantize` (bf16, f16, w8bf16, w4bf16, w8f16,
+w4f16; default from the recipe), `group_size` (default the recipe's `quant.group_size`), `chip` (bm1684x),
+`combine` (true/false, default true).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import topq
+from topq.core.exporter import Exporter, ExportRequest
+from topq.ir.errors import TopqError
+from topq.ir.graph import Function, Module
+from topq.plugins.exporters.tpu_mlir.deploy import TpuMlir, combine, deploy_all, find_tpu_mlir
+from topq.plugins.exporters.tpu_mlir.translate import Net, WeightGetter, greedy_head, translate_function
+
+QUANTIZE_MODES = ("f32", "bf16", "f16", "w8bf16", "w4bf16", "w8f16", "w4f16")
+RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _load(source: Path) -> tuple[Module, WeightGetter, dict[str, Any]]:
+    """The float Top IR program, a float weight getter and the recipe dict of a recipe or a bundle.
+
+    A bundle holds its target's packed weights; the float route needs the checkpoint's, so a bundle is
+    re-read from the checkpoint its recipe names."""
+    from topq.core.pipeline import load_model
+    from topq.core.recipe import Recipe, load_recipe
+
+    if source.suffix.lower() in RECIPE_SUFFIXES:
+        recipe = load_recipe(source)
+    else:
+        from topq.core.bundle import Bundle
+
+        recipe = Recipe.from_dict(Bundle(source).recipe, source=str(source))
+    model = load_model(recipe)
+    return model.module, lambda name: np.asarray(model.weight(name), dtype=np.float32), recipe.to_dict()
+
+
+def default_quantize(quant: dict[str, Any]) -> str:
+    """TPU-MLIR's `--quantize` for a recipe's quant section (the float route quantizes with RTN)."""
+    from topq.core.plugins import get_plugins
+
+    scheme = get_plugins().schemes.get(str(quant["scheme"]))
+    if scheme.name == "int8" or scheme.extra.get("act_quant"):
+        raise TopqError("quant scheme int8 (W8A8) has no TPU-MLIR route; export a weight-only or float recipe")
+    act = quant.get("act_dtype") or scheme.compute_dtype
+    bits = quant.get("bits") or scheme.weight_bits
+    if bits is None:
+        return "bf16" if act == "f32" else str(act)
+    return f"w{bits}{act if act != 'f32' else 'bf16'}"
+
+
+def net_names(module: Module) -> dict[str, str]:
+    """topq function name → LLM-TPU net name (decode variants `block_cache_i_S` become `block_cache_i_k`,
+    k = 1, 2, ... over the shorter KV lengths, as TPU-MLIR's converter numbers its decode chunks)."""
+    variants = module.attrs.get("topq.decode_variants")
+    shorter = sorted(int(v) for v in variants)[:-1] if isinstance(variants, list) and variants else []
+    names: dict[str, str] = {}
+    for function in module:
+        name = function.name
+        head, _, tail = name.rpartition("_")
+        if name.startswith("block_cache_") and head.count("_") == 2 and tail.isdigit() and int(tail) in shorter:
+            name = f"{head}_{shorter.index(int(tail)) + 1}"
+        names[function.name] = name
+    return names
+
+
+def deploy_args(net: Net, quantize: str, group_size: int, symmetric: bool, chip: str) -> list[str]:
+    """model_deploy.py's arguments for one net, as TPU-MLIR's own LLM converter passes them."""
+    args = ["--mlir", f"{net.name}.mlir", "--chip", chip, "--model", f"{net.name}.bmodel"]
+    half = "bf16" if "bf16" in quantize or quantize == "f32" else "f16"
+    if net.stage is not None:  # transformer blocks: the weight quantization, kv outputs in the compute dtype
+        args += ["--quantize", quantize.upper(), "--quant_input", "--quant_output"]
+        if quantize.startswith("w"):
+            args += ["--q_group_size", str(group_size)] + (["--q_symmetric"] if symmetric else [])
+        args += ["--addr_mode", "io_alone" if net.stage == "decode" else "basic"]
+    elif net.name == "greedy_head":
+        args += ["--addr_mode", "io_alone"]
+    elif net.name == "lm_head":
+        args += ["--quantize", half.upper(), "--quant_input", "--addr_mode", "basic"]
+    else:
+        args += ["--quantize", half.upper(), "--quant_input", "--quant_output", "--addr_mode", "basic"]
+    return args + ["--high_precision", "--disable_gdma_check"]
+
+
+def write_net(net: Net, out_dir: Path) -> Path:
+    directory = out_dir / net.name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{net.name}.mlir").write_text(net.mlir, encoding="utf-8")
+    np.savez(directory / net.weight_file, **net.weights)
+    return directory
+
+
+def export_nets(module: Module, get_weight: WeightGetter, vocab_size: int | None) -> list[Net]:
+    """Every function of `module` as a TPU-MLIR net (refusing unmapped ops by name), plus greedy_head."""
+    names = net_names(module)
+    functions: list[Function] = list(module)
+    nets = [translate_function(f, get_weight, names[f.name]) for f in functions]
+    if vocab_size is not None:
+        nets.append(greedy_head(vocab_size))
+    return nets
+
+
+def _bool_option(value: str, key: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise TopqError(f"--option {key}: expected true or false, got {value!r}")
+
+
+KNOWN_OPTIONS = ("quantize", "group_size", "chip", "combine")
+
+
+def export(request: ExportRequest) -> dict[str, Any]:
+    unknown = sorted(set(request.options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise TopqError(f"exporter tpu-mlir: unknown option {unknown[0]!r} (known options: {', '.join(KNOWN_OPTIONS)})")
+    tpu = find_tpu_mlir(request.tool)  # checked before the (slow) load so a bad path fails at once
+    module, get_weight, recipe = _load(request.source)
+    quant = recipe["quant"]
+    quantize = request.options.get("quantize", "").lower() or default_quantize(quant)
+    if quantize not in QUANTIZE_MODES:
+        raise TopqError(f"--option quantize: {quantize!r} is not one of {', '.join(QUANTIZE_MODES)}")
+    try:
+        group_size = int(request.options.get("group_size", quant.get("group_size") or 64))
+    except ValueError:
+        raise TopqError(f"--option group_size must be an integer, got {request.options['group_size']!r}") from None
+    chip = request.options.get("chip", "bm1684x")
+    vocab = next((f.results[0].shape[-1] for f in module if f.name == "lm_head"), None)
+    nets = export_nets(module, get_weight, vocab)
+
+    out_dir = request.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, Any] = {"format": "topq-tpu-mlir-export", "version": 1, "chip": chip, "quantize": quantize,
+                                "group_size": group_size, "nets": []}
+    jobs: list[tuple[Path, list[str]]] = []
+    for net in nets:
+        directory = write_net(net, out_dir)
+        args = deploy_args(net, quantize, group_size, bool(quant.get("symmetric")), chip)
+        jobs.append((directory, args))
+        manifest["nets"].append({
+            "name": net.name, "stage": net.stage, "mlir": f"{net.name}/{net.name}.mlir",
+            "weights": f"{net.name}/{net.weight_file}",
+            "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in net.inputs],
+            "outputs": net.outputs, "model_deploy": args,
+        })
+    summary: dict[str, Any] = {"output": str(out_dir), "nets": [n.name for n in nets], "quantize": quantize}
+    if tpu is not None:
+        summary.update(_compile(tpu, jobs, out_dir, request, manifest))
+    (out_dir / "export.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    return summary
+
+
+def _compile(tpu: TpuMlir, jobs: list[tuple[Path, list[str]]], out_dir: Path, request: ExportRequest,
+             manifest: dict[str, Any]) -> dict[str, Any]:
+    deploy_all(tpu, jobs, request.jobs, request.progress)
+    bmodels = [directory / f"{directory.name}.bmodel" for directory, _ in jobs]
+    for entry, bmodel in zip(manifest["nets"], bmodels):
+        entry["bmodel"] = str(bmodel.relative_to(out_dir))
+    result: dict[str, Any] = {"bmodels": [str(b) for b in bmodels]}
+    if _bool_option(request.options.get("combine", "true"), "combine"):
+        combined = out_dir / "model.bmodel"
+        combine(tpu, bmodels, combined)
+        manifest["combined"] = combined.name
+        result["combined"] = str(combined)
+    return result
+
+
+@topq.hookimpl
+def register_exporters(register: Any) -> None:
+    register(Exporter("tpu-mlir", "Top MLIR + weight npz per net for TPU-MLIR (and bmodels when it is installed)",
+                      export=export))
+
+

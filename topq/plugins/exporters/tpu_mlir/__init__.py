@@ -9,7 +9,8 @@ and `model_tool --combine` into `DIR/model.bmodel`.
 This is the float route: weights are exported in float32 and TPU-MLIR quantizes them (RTN) as the recipe's
 scheme asks (`--quantize`). Options (`--option KEY=VALUE`): `quantize` (bf16, f16, w8bf16, w4bf16, w8f16,
 w4f16; default from the recipe), `group_size` (default the recipe's `quant.group_size`), `chip` (bm1684x),
-`combine` (true/false, default true).
+`combine` (true/false, default true), `nets` (comma-separated net names to compile; default all; every
+net's files are written either way).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def _bool_option(value: str, key: str) -> bool:
     raise TopqError(f"--option {key}: expected true or false, got {value!r}")
 
 
-KNOWN_OPTIONS = ("quantize", "group_size", "chip", "combine")
+KNOWN_OPTIONS = ("quantize", "group_size", "chip", "combine", "nets")
 
 
 def export(request: ExportRequest) -> dict[str, Any]:
@@ -159,6 +160,13 @@ def export(request: ExportRequest) -> dict[str, Any]:
             "outputs": net.outputs, "model_deploy": args,
         })
     summary: dict[str, Any] = {"output": str(out_dir), "nets": [n.name for n in nets], "quantize": quantize}
+    wanted = [n for n in request.options.get("nets", "").split(",") if n]
+    if wanted:
+        known = {net.name for net in nets}
+        missing = [n for n in wanted if n not in known]
+        if missing:
+            raise TopqError(f"--option nets: no net {missing[0]!r} (nets: {', '.join(sorted(known))})")
+        jobs = [job for job in jobs if job[0].name in wanted]
     if tpu is not None:
         summary.update(_compile(tpu, jobs, out_dir, request, manifest))
     (out_dir / "export.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
@@ -169,8 +177,10 @@ def _compile(tpu: TpuMlir, jobs: list[tuple[Path, list[str]]], out_dir: Path, re
              manifest: dict[str, Any]) -> dict[str, Any]:
     deploy_all(tpu, jobs, request.jobs, request.progress)
     bmodels = [directory / f"{directory.name}.bmodel" for directory, _ in jobs]
-    for entry, bmodel in zip(manifest["nets"], bmodels):
-        entry["bmodel"] = str(bmodel.relative_to(out_dir))
+    compiled = {b.parent.name: b for b in bmodels}
+    for entry in manifest["nets"]:
+        if entry["name"] in compiled:
+            entry["bmodel"] = str(compiled[entry["name"]].relative_to(out_dir))
     result: dict[str, Any] = {"bmodels": [str(b) for b in bmodels]}
     if _bool_option(request.options.get("combine", "true"), "combine"):
         combined = out_dir / "model.bmodel"

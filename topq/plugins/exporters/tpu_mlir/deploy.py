@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from topq.ir.errors import TopqError
@@ -88,3 +89,13 @@ def combine(tpu: TpuMlir, bmodels: Sequence[Path], output: Path) -> None:
     """`model_tool --combine` of every net's bmodel into one file."""
     run_tool(tpu, "model_tool", ["--combine", *[str(b) for b in bmodels], "-o", str(output)], output.parent,
              "combine.log")
+
+
+def run_bmodel(tpu: TpuMlir, bmodel: Path, inputs: Mapping[str, np.ndarray], work_dir: Path) -> dict[str, np.ndarray]:
+    """Run one compiled net on TPU-MLIR's simulator (model_runner.py, cmodel); outputs by name, as float32."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    np.savez(work_dir / "runner_input.npz", **{k: np.asarray(v) for k, v in inputs.items()})
+    run_tool(tpu, "model_runner.py", ["--input", "runner_input.npz", "--model", str(bmodel.resolve()),
+                                      "--output", "runner_output.npz"], work_dir, "runner.log")
+    with np.load(work_dir / "runner_output.npz") as out:
+        return {name: np.asarray(out[name], dtype=np.float32) for name in out.files}

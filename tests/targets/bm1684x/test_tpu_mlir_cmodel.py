@@ -130,3 +130,58 @@ def test_tool_failure_is_one_error_with_the_log_tail(tpu_mlir: TpuMlir, tmp_path
     assert "TPU-MLIR model_deploy.py failed" in message and "deploy.log" in message
     assert "Traceback" not in message.split(":", 1)[0]
     assert len(message.splitlines()) == 1
+
+
+def chained_greedy(tpu: TpuMlir, out: Path, prompt: list[int], steps: int, kvh: int, d: int) -> list[int]:
+    """Greedy generation by running the exported nets one by one on cmodel, as LLM-TPU's runtime chains them."""
+    def run(net: str, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        return run_bmodel(tpu, out / net / f"{net}.bmodel", inputs, out / net / "chain")
+
+    n = len(prompt)
+    ids = np.zeros((1, L), np.int32)
+    ids[0, :n] = prompt
+    hidden = run("embedding", input_ids=ids)["input_states"]
+    causal = np.triu(np.full((L, L), TPU_MASK, np.float32), 1)[None, None]
+    block = run("block_0", input_states=hidden, position_ids=np.arange(L, dtype=np.int32)[None],
+                attention_mask=causal)
+    k_cache = np.zeros((1, S, kvh, d), np.float32)
+    v_cache = np.zeros((1, S, kvh, d), np.float32)
+    k_cache[:, :n], v_cache[:, :n] = block["k_cache"][:, :n], block["v_cache"][:, :n]
+    last = block["output_states"][:, n - 1:n]
+    tokens: list[int] = []
+    for step in range(steps):
+        logits = run("lm_head", hidden_states=last)["m_logits"]
+        tokens.append(int(run("greedy_head", m_logits=logits.reshape(1, -1))["token_id"].ravel()[0]))
+        if step == steps - 1:
+            break
+        position = n + step
+        token_hidden = run("embedding_cache", input_ids=np.array([[tokens[-1]]], np.int32))["input_states"]
+        mask = np.zeros((1, 1, 1, S + 1), np.float32)
+        mask[..., position:S] = TPU_MASK
+        decoded = run("block_cache_0", input_states=token_hidden, position_ids=np.array([[position]], np.int32),
+                      attention_mask=mask, history_k=k_cache, history_v=v_cache)
+        k_cache[:, position], v_cache[:, position] = decoded["k_cache"][:, 0], decoded["v_cache"][:, 0]
+        last = decoded["output_states"]
+    return tokens
+
+
+def test_greedy_tokens_of_chained_nets_equal_topq_run(tpu_mlir: TpuMlir, tmp_path: Path) -> None:
+    from tiny_models import build_tiny
+
+    from topq.core.runtime import Sampling, Session
+
+    model = build_tiny("qwen2", tmp_path / "model", overrides={"num_hidden_layers": 1})
+    recipe_path = write_recipe(tmp_path, tmp_path / "model", scheme="bf16")
+    convert(load_recipe(recipe_path), progress=False)
+    bundle = Bundle(tmp_path / "bf16.topq")
+    out = tmp_path / "export"
+    assert main(["export", "tpu-mlir", str(recipe_path), str(out), "--tpu-mlir", str(tpu_mlir.python),
+                 "--jobs", "2", "--json"]) == 0
+    assert (out / "model.bmodel").stat().st_size > sum((out / n / f"{n}.bmodel").stat().st_size
+                                                       for n in ("block_0", "lm_head")) // 2
+    prompt = [5, 17, 42, 99, 7]
+    expected = [t for t, _ in Session(bundle).generate(prompt, 3, Sampling(greedy=True), stop_ids=[])]
+    config = model.config
+    got = chained_greedy(tpu_mlir, out, prompt, 3, config.num_key_value_heads,
+                         config.hidden_size // config.num_attention_heads)
+    assert got == expected

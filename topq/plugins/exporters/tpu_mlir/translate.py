@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from topq.core.quant import QuantizedWeight
 from topq.ir.errors import TopqError
 from topq.ir.graph import Function, Operation, Value
 from topq.ir.printer import format_float, format_string
@@ -51,6 +52,8 @@ FUNCTION_OUTPUTS: dict[str, tuple[str, ...]] = {
 }
 
 WeightGetter = Callable[[str], np.ndarray]
+#: weight name → topq's quantized values for it (None: export it in float32 for TPU-MLIR to quantize)
+QuantizedGetter = Callable[[str], QuantizedWeight | None]
 
 
 @dataclass(frozen=True)
@@ -112,13 +115,17 @@ class _Emitter:
 
     function: str
     get_weight: WeightGetter
+    quantized: QuantizedGetter | None = None
     lines: list[str] = field(default_factory=list)
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # id(topq Value) → SSA name
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # SSA name → exported shape
     used_locs: set[str] = field(default_factory=set)
     weight_ops: dict[tuple[str, str], str] = field(default_factory=dict)  # (weight name, layout) → SSA name
+    quantized_cache: dict[str, QuantizedWeight | None] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)  # SSA name → type text, for weights that are not f32
     counter: int = 1  # %0 is the none value
+    prequantized: bool = False  # an A16MatMul was written (the module's platform says so, as TPU-MLIR's does)
 
     def fresh(self) -> str:
         name = f"%{self.counter}"
@@ -152,7 +159,43 @@ class _Emitter:
         return results
 
     def type_of(self, ssa: str) -> str:
-        return "none" if ssa == "%0" else _f32(self.shapes[ssa])
+        if ssa == "%0":
+            return "none"
+        return self.types.get(ssa) or _f32(self.shapes[ssa])
+
+    def stored(self, loc: str, array: np.ndarray) -> str:
+        """A weight op for an array stored as is (uint8 codes, float32 scales) under key `loc`."""
+        if loc in self.weights:
+            raise TopqError(f"function {self.function}: two weights are named {loc!r}")
+        ssa = self.fresh()
+        element = {np.dtype(np.uint8): "ui8", np.dtype(np.float32): "f32"}[array.dtype]
+        text = "tensor<" + "".join(f"{d}x" for d in array.shape) + f"{element}>"
+        self.lines.append(f'    {ssa} = "top.Weight"() : () -> {text} {_loc(self.unique_loc(loc))}')
+        self.shapes[ssa] = tuple(array.shape)
+        self.types[ssa] = text
+        self.weights[loc] = np.ascontiguousarray(array)
+        return ssa
+
+    def values(self, wname: str) -> QuantizedWeight | None:
+        """topq's quantized values of a linear weight (computed once per function), None for a float one."""
+        if self.quantized is None:
+            return None
+        if wname not in self.quantized_cache:
+            self.quantized_cache[wname] = self.quantized(wname)
+        return self.quantized_cache[wname]
+
+    def quantized_linear(self, wname: str, x: str, bias: str, out_shape: tuple[int, ...], loc: str) -> str | None:
+        """`top.A16MatMul` with topq's own codes for weight `wname` [N, K], or None when it is not quantized."""
+        q = self.values(wname)
+        if q is None:
+            return None
+        qweight, scales, zeros = a16_operands(q, wname)
+        base = wname.removesuffix(".weight")
+        operands = [x, self.stored(f"{base}.qweight", qweight), self.stored(f"{base}.scales", scales),
+                    self.stored(f"{base}.qzeros", zeros), bias]
+        attrs = {"right_transpose": "true", "q_group_size": f"{q.group_size} : i64", "weight_bits": f"{q.bits} : i64"}
+        self.prequantized = True
+        return self.emit("top.A16MatMul", operands, [out_shape], attrs, [loc])[0]
 
     def weight(self, name: str, layout: str, array: np.ndarray) -> str:
         """The SSA value of weight `name` stored in `layout` ("" = as topq has it); one op per layout."""
@@ -168,6 +211,26 @@ class _Emitter:
         self.weights[loc] = data
         self.weight_ops[key] = ssa
         return ssa
+
+
+def a16_operands(q: QuantizedWeight, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """TPU-MLIR's A16MatMul operands for topq's values: uint8 codes [N, K] (4-bit: two per byte along K, the
+    even column in the low nibble), float32 scales and uint8 zero points [N, K / group_size]."""
+    if q.bits not in (4, 8):
+        raise TopqError(f"{name}: {q.bits}-bit weights have no TPU-MLIR A16MatMul form (4 or 8 bits)")
+    n, k = q.codes.shape
+    if q.g_idx is not None and not np.array_equal(q.g_idx, np.arange(k) // q.group_size):
+        raise TopqError(f"{name}: act-order weights (a column permutation) have no TPU-MLIR A16MatMul form")
+    codes = np.asarray(q.codes).astype(np.int32)
+    zeros = np.asarray(q.zeros).astype(np.int32)
+    if codes.min() < 0:  # topq's signed symmetric form: the same values with the offset TPU-MLIR stores
+        codes, zeros = codes + (1 << (q.bits - 1)), zeros + (1 << (q.bits - 1))
+    if codes.min() < 0 or codes.max() >= 1 << q.bits or zeros.min() < 0 or zeros.max() >= 1 << q.bits:
+        raise TopqError(f"{name}: codes or zero points outside [0, {1 << q.bits})")
+    packed = codes.astype(np.uint8)
+    if q.bits == 4:
+        packed = (packed[:, 0::2] | (packed[:, 1::2] << 4)).astype(np.uint8)
+    return packed, np.asarray(q.scales, dtype=np.float32).reshape(n, -1), zeros.astype(np.uint8).reshape(n, -1)
 
 
 def _producer(value: Value) -> Operation | None:
@@ -197,13 +260,17 @@ def _prefill_mask_shape(function: Function) -> tuple[int, ...] | None:
     return None
 
 
-def translate_function(function: Function, get_weight: WeightGetter, net_name: str | None = None) -> Net:
-    """The TPU-MLIR Top module of `function` (weights read with `get_weight`), named `net_name`."""
+def translate_function(function: Function, get_weight: WeightGetter, net_name: str | None = None,
+                       quantized: QuantizedGetter | None = None) -> Net:
+    """The TPU-MLIR Top module of `function` (weights read with `get_weight`), named `net_name`.
+
+    With `quantized`, every linear it gives values for becomes `top.A16MatMul` with those codes (the
+    pre-quantized route); the others stay float32 MatMuls for TPU-MLIR to quantize."""
     refuse_unmapped(function)
     name = net_name or function.name
     stage = function.attrs.get("stage")
     stage = stage if isinstance(stage, str) else None
-    em = _Emitter(name, get_weight)
+    em = _Emitter(name, get_weight, quantized)
     users = _users(function)
     mask_shape = _prefill_mask_shape(function)
     block = function.body
@@ -241,7 +308,8 @@ def translate_function(function: Function, get_weight: WeightGetter, net_name: s
         for i, (_, shape, dtype, _) in enumerate(inputs))
     out_types = [em.type_of(r) for r in returns]
     out_text = out_types[0] if len(out_types) == 1 else "(" + ", ".join(out_types) + ")"
-    header = (f"module @{format_string(name)} attributes {{module.chip = \"ALL\", module.platform = \"LLM\", "
+    platform = "LLM_QUANTIZED" if em.prequantized else "LLM"
+    header = (f"module @{format_string(name)} attributes {{module.chip = \"ALL\", module.platform = \"{platform}\", "
               f"module.state = \"TOP_F32\", module.top_run_mode = \"STATIC\", "
               f"module.weight_file = {format_string(f'{name}_top_weights.npz')}}} {{")
     text = "\n".join([
@@ -360,9 +428,14 @@ def _translate_op(em: _Emitter, op: Operation, rope_tables: set[int], mask_ssa: 
         bind(em.emit(name, [operand(0), weight, bias], out_shapes, attrs, [loc]))
     elif name == "top.MatMul":
         rank = len(out_shapes[0])
-        right = linear_weight(1, bool(op.attrs.get("right_transpose", False)))
-        bias = row_weight(2, rank) if len(op.operands) > 2 else "%0"
-        bind(em.emit(name, [operand(0), right, bias], out_shapes, {}, [loc]))
+        wname = _weight_name(op.operands[1])
+        if wname is not None and op.attrs.get("right_transpose", False) and em.values(wname) is not None:
+            bias = row_weight(2, rank) if len(op.operands) > 2 else "%0"
+            bind([em.quantized_linear(wname, operand(0), bias, out_shapes[0], loc) or ""])
+        else:
+            right = linear_weight(1, bool(op.attrs.get("right_transpose", False)))
+            bias = row_weight(2, rank) if len(op.operands) > 2 else "%0"
+            bind(em.emit(name, [operand(0), right, bias], out_shapes, {}, [loc]))
     elif name in ("top.Add", "top.Mul"):
         bind(em.emit(name, [plain(i) for i in range(len(op.operands))], out_shapes, {}, [loc]))
     elif name == "top.MulConst":
@@ -419,10 +492,21 @@ def _split_mlp(em: _Emitter, op: Operation, x: str, loc: str) -> list[str]:
     names = [_weight_name(v) for v in op.operands[1:4]]
     if any(n is None for n in names):
         raise TopqError(f"function {em.function}: top.MLP {op.loc or ''} needs weight operands")
-    gate_w, up_w, down_w = (em.weight(n, "kn", np.asarray(em.get_weight(n), dtype=np.float32).T)
-                            for n in names if n is not None)
-    inter = hidden[:-1] + (em.shapes[gate_w][1],)
-    gate = em.emit("top.MatMul", [x, gate_w, "%0"], [inter], {}, [f"{op.loc or loc}.gate_proj"])[0]
+    prefix = op.loc or loc
+    gate_name, up_name, down_name = (n for n in names if n is not None)
+    inter = hidden[:-1] + (int(op.operands[1].shape[0]),)
+    for wname in (gate_name, up_name, down_name):  # float weights first, in TPU-MLIR's order
+        if em.values(wname) is None:
+            em.weight(wname, "kn", np.asarray(em.get_weight(wname), dtype=np.float32).T)
+
+    def linear(wname: str, source: str, shape: tuple[int, ...], at: str) -> str:
+        a16 = em.quantized_linear(wname, source, "%0", shape, at)
+        if a16 is not None:
+            return a16
+        weight = em.weight(wname, "kn", np.asarray(em.get_weight(wname), dtype=np.float32).T)
+        return em.emit("top.MatMul", [source, weight, "%0"], [shape], {}, [at])[0]
+
+    gate = linear(gate_name, x, inter, f"{prefix}.gate_proj")
     act = str(op.attrs.get("act", "silu"))
     if act == "silu":
         activated = em.emit("top.SiLU", [gate], [inter], {}, [f"{op.loc or loc}.gate_proj.silu"])[0]
@@ -430,9 +514,9 @@ def _split_mlp(em: _Emitter, op: Operation, x: str, loc: str) -> list[str]:
         mode = "tanh" if act == "gelu_tanh" else "normal"
         activated = em.emit("top.GELU", [gate], [inter], {"approx_mode": format_string(mode)},
                             [f"{op.loc or loc}.gate_proj.gelu"])[0]
-    up = em.emit("top.MatMul", [x, up_w, "%0"], [inter], {}, [f"{op.loc or loc}.up_proj"])[0]
-    product = em.emit("top.Mul", [activated, up], [inter], {}, [f"{op.loc or loc}.up_proj.mul"])[0]
-    return em.emit("top.MatMul", [product, down_w, "%0"], [hidden], {}, [loc if loc != op.loc else f"{loc}.down_proj"])
+    up = linear(up_name, x, inter, f"{prefix}.up_proj")
+    product = em.emit("top.Mul", [activated, up], [inter], {}, [f"{prefix}.up_proj.mul"])[0]
+    return [linear(down_name, product, hidden, loc if loc != op.loc else f"{loc}.down_proj")]
 
 
 def greedy_head(vocab_size: int) -> Net:

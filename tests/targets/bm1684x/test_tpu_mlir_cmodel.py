@@ -81,18 +81,26 @@ def block_inputs(kvh: int, d: int, seed: int = 0) -> dict[str, dict[str, tuple[l
     return nets
 
 
-def export_and_compare(tpu: TpuMlir, root: Path, kind: str, scheme: str, threshold: float) -> dict[str, float]:
+def export_and_compare(tpu: TpuMlir, root: Path, kind: str, scheme: str, threshold: float, route: str = "float",
+                       quant: dict[str, Any] | None = None) -> dict[str, float]:
     """Convert a tiny `kind` to a bm1684x `scheme` bundle, export + compile its block nets, compare on cmodel."""
     from tiny_models import build_tiny
 
     model = build_tiny(kind, root / "model", overrides={"num_hidden_layers": 1})
-    recipe_path = write_recipe(root, root / "model", scheme=scheme)
+    if quant and "calibration" in quant:
+        ids = np.random.default_rng(0).integers(3, 250, 400)
+        (root / "calib.ids").write_text(" ".join(map(str, ids)), encoding="utf-8")
+        quant = {**quant, "calibration": {**quant["calibration"], "data": str(root / "calib.ids")}}
+    recipe_path = write_recipe(root, root / "model", scheme=scheme, quant=quant)
     convert(load_recipe(recipe_path), progress=False)
     bundle = Bundle(root / f"{scheme}.topq")
     out = root / "export"
     nets = ["block_0", "block_kv_0", "block_cache_0"]
     assert main(["export", "tpu-mlir", str(bundle.path), str(out), "--tpu-mlir", str(tpu.python), "--option", f"nets={','.join(nets)}",
-                 "--option", "combine=false", "--jobs", "2", "--json"]) == 0
+                 "--option", "combine=false", "--option", f"route={route}", "--jobs", "2", "--json"]) == 0
+    if route == "prequantized":  # every block linear carries topq's codes
+        text = (out / "block_0" / "block_0.mlir").read_text(encoding="utf-8")
+        assert text.count('"top.A16MatMul"') == 7 and '"top.MatMul"' not in text
     emulator = get_plugins().targets.get("bm1684x").open(bundle)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -104,7 +112,7 @@ def export_and_compare(tpu: TpuMlir, root: Path, kind: str, scheme: str, thresho
             assert got[name].shape == np.asarray(want).shape, (net, name)
             cosines[f"{net}.{name}"] = cosine(got[name], np.asarray(want, np.float32))
     worst = min(cosines, key=cosines.__getitem__)
-    print(f"{kind} {scheme}: " + ", ".join(f"{k} {v:.6f}" for k, v in sorted(cosines.items())))
+    print(f"{kind} {scheme} {route}: " + ", ".join(f"{k} {v:.6f}" for k, v in sorted(cosines.items())))
     assert cosines[worst] >= threshold, f"{kind} {scheme}: {worst} cosine {cosines[worst]:.6f} < {threshold}"
     return cosines
 
@@ -119,6 +127,16 @@ def export_and_compare(tpu: TpuMlir, root: Path, kind: str, scheme: str, thresho
 def test_blocks_on_cmodel_match_the_emulator(tpu_mlir: TpuMlir, tmp_path: Path, kind: str, scheme: str,
                                              threshold: float) -> None:
     export_and_compare(tpu_mlir, tmp_path, kind, scheme, threshold)
+
+
+@pytest.mark.parametrize(("kind", "scheme", "quant"), [
+    ("qwen2", "w4bf16", {"group_size": 32}),
+    ("llama", "gptq", {"group_size": 32, "calibration": {"samples": 4, "seq_len": 32}}),
+])
+def test_prequantized_blocks_on_cmodel_match_the_emulator(tpu_mlir: TpuMlir, tmp_path: Path, kind: str, scheme: str,
+                                                          quant: dict[str, Any]) -> None:
+    """The pre-quantized route: A16MatMul with topq's own codes (RTN, GPTQ), W4 threshold 0.999."""
+    export_and_compare(tpu_mlir, tmp_path, kind, scheme, 0.999, route="prequantized", quant=quant)
 
 
 def test_tool_failure_is_one_error_with_the_log_tail(tpu_mlir: TpuMlir, tmp_path: Path) -> None:

@@ -26,8 +26,9 @@ GOLDEN = Path(__file__).resolve().parents[2] / "data" / "tpu_mlir"
 STAGES: dict[str, Any] = {"seq_length": 64, "max_input_length": 16, "decode_chunks": [32], "prefill_kv": True}
 
 
-def write_recipe(directory: Path, checkpoint: Path, scheme: str = "bf16", chip: str = "bm1684x") -> Path:
-    recipe = {"model": {"path": str(checkpoint)}, "quant": {"scheme": scheme}, "target": {"chip": chip},
+def write_recipe(directory: Path, checkpoint: Path, scheme: str = "bf16", chip: str = "bm1684x",
+                 quant: dict[str, Any] | None = None) -> Path:
+    recipe = {"model": {"path": str(checkpoint)}, "quant": {"scheme": scheme, **(quant or {})}, "target": {"chip": chip},
               "stages": STAGES, "output": {"path": str(directory / f"{scheme}.topq")}}
     path = directory / f"{scheme}.yaml"
     path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
@@ -148,3 +149,46 @@ def test_cli_refusals(tmp_path: Path, exported: dict[str, Path], capsys: pytest.
     int8 = write_recipe(tmp_path, exported["qwen2"].parent / "model", scheme="int8")
     assert main(["export", "tpu-mlir", str(int8), str(tmp_path / "y")]) == 1
     assert "int8 (W8A8) has no TPU-MLIR route" in capsys.readouterr().err
+
+
+def test_a16_operands_pack_topq_codes_as_tpu_mlir_reads_them() -> None:
+    from topq.core.quant import QuantizedWeight
+    from topq.plugins.exporters.tpu_mlir.translate import a16_operands
+
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 16, (6, 8))
+    q = QuantizedWeight(codes, rng.random((6, 2)).astype(np.float32), rng.integers(0, 16, (6, 2)), 4, 4, False)
+    packed, scales, zeros = a16_operands(q, "w")
+    assert packed.shape == (6, 4) and packed.dtype == np.uint8 and zeros.dtype == np.uint8
+    np.testing.assert_array_equal(packed & 0xF, codes[:, 0::2])  # even K column in the low nibble
+    np.testing.assert_array_equal(packed >> 4, codes[:, 1::2])
+    # topq's signed symmetric codes are the same values with TPU-MLIR's offset 2^(bits-1)
+    signed = QuantizedWeight(codes - 8, q.scales, np.zeros((6, 2), np.int64), 4, 4, True)
+    packed_s, _, zeros_s = a16_operands(signed, "w")
+    np.testing.assert_array_equal(packed_s, packed)
+    assert np.all(zeros_s == 8)
+    eight = QuantizedWeight(rng.integers(0, 256, (6, 8)), q.scales, q.zeros, 8, 4, False)
+    assert a16_operands(eight, "w")[0].shape == (6, 8)
+    shuffled = QuantizedWeight(codes, q.scales, q.zeros, 4, 4, False, g_idx=np.array([1, 0, 0, 0, 1, 1, 1, 0]))
+    with pytest.raises(TopqError, match="act-order"):
+        a16_operands(shuffled, "w")
+
+
+def test_prequantized_route_writes_a16_matmuls(tmp_path: Path, exported: dict[str, Path]) -> None:
+    recipe = write_recipe(tmp_path, exported["qwen2"].parent / "model", scheme="w4bf16", quant={"group_size": 32})
+    out = tmp_path / "export"
+    assert main(["export", "tpu-mlir", str(recipe), str(out), "--option", "route=prequantized", "--json"]) == 0
+    text = (out / "block_0" / "block_0.mlir").read_text(encoding="utf-8")
+    assert 'module.platform = "LLM_QUANTIZED"' in text
+    assert text.count('"top.A16MatMul"') == 7 and '"top.MatMul"' not in text  # q, k, v, o, gate, up, down
+    assert re.search(r'"top.A16MatMul"\(%\d+, %\d+, %\d+, %\d+, %\d+\) \{q_group_size = 32 : i64, right_transpose = '
+                     r'true, weight_bits = 4 : i64\}', text)
+    weights = np.load(out / "block_0" / "block_0_top_weights.npz")
+    base = "model.layers.0.self_attn.q_proj"
+    assert weights[f"{base}.qweight"].shape == (64, 32) and weights[f"{base}.qweight"].dtype == np.uint8
+    assert weights[f"{base}.scales"].shape == (64, 2) and weights[f"{base}.qzeros"].shape == (64, 2)
+    lm_head = (out / "lm_head" / "lm_head.mlir").read_text(encoding="utf-8")
+    assert '"top.MatMul"' in lm_head  # quant.lm_head: bf16 keeps the head in float
+    manifest = json.loads((out / "export.json").read_text(encoding="utf-8"))
+    assert manifest["route"] == "prequantized"
+    assert main(["export", "tpu-mlir", str(recipe), str(tmp_path / "x"), "--option", "route=sideways"]) == 1

@@ -6,16 +6,19 @@ and `NAME_top_weights.npz`, and `DIR/export.json` (nets, inputs, outputs, the mo
 TPU-MLIR installation (`--tpu-mlir PYTHON` or $TOPQ_TPU_MLIR) it also runs model_deploy.py per net in parallel
 and `model_tool --combine` into `DIR/model.bmodel`.
 
-This is the float route: weights are exported in float32 and TPU-MLIR quantizes them (RTN) as the recipe's
-scheme asks (`--quantize`). Options (`--option KEY=VALUE`): `quantize` (bf16, f16, w8bf16, w4bf16, w8f16,
+Two routes for quantized linears: the float route exports float32 weights and TPU-MLIR quantizes them (RTN)
+as `--quantize` asks; the pre-quantized route writes `top.A16MatMul` with topq's own codes, scales and zero
+points, so GPTQ / AWQ / AutoRound / imported values reach the chip. Options (`--option KEY=VALUE`): `quantize` (bf16, f16, w8bf16, w4bf16, w8f16,
 w4f16; default from the recipe), `group_size` (default the recipe's `quant.group_size`), `chip` (bm1684x),
 `combine` (true/false, default true), `nets` (comma-separated net names to compile; default all; every
-net's files are written either way).
+net's files are written either way), `route` (float or prequantized; default prequantized for calibrated
+schemes and `auto`, float otherwise).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +29,34 @@ from topq.core.exporter import Exporter, ExportRequest
 from topq.ir.errors import TopqError
 from topq.ir.graph import Function, Module
 from topq.plugins.exporters.tpu_mlir.deploy import TpuMlir, combine, deploy_all, find_tpu_mlir
-from topq.plugins.exporters.tpu_mlir.translate import Net, WeightGetter, greedy_head, translate_function
+from topq.plugins.exporters.tpu_mlir.translate import (
+    Net,
+    QuantizedGetter,
+    WeightGetter,
+    greedy_head,
+    translate_function,
+)
 
 QUANTIZE_MODES = ("f32", "bf16", "f16", "w8bf16", "w4bf16", "w8f16", "w4f16")
 RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
-def _load(source: Path) -> tuple[Module, WeightGetter, dict[str, Any]]:
-    """The float Top IR program, a float weight getter and the recipe dict of a recipe or a bundle.
+@dataclass
+class Source:
+    """The float Top IR program of a recipe or bundle, its float weights and (pre-quantized route) topq's codes."""
 
-    A bundle holds its target's packed weights; the float route needs the checkpoint's, so a bundle is
-    re-read from the checkpoint its recipe names."""
-    from topq.core.pipeline import load_model
+    module: Module
+    weight: WeightGetter
+    recipe: dict[str, Any]
+    quantized: QuantizedGetter | None = None
+
+
+def load_source(source: Path, prequantized: bool | None) -> Source:
+    """Load a recipe or a bundle. A bundle holds its target's packed weights; both routes need the checkpoint's
+    (float weights, or the scheme's values computed again, deterministically), so a bundle is re-read from the
+    checkpoint its recipe names. `prequantized` None: the route the scheme suggests (see `use_prequantized`)."""
+    from topq.core.pipeline import linear_weight_names, load_model, make_quantizer
+    from topq.core.plugins import get_plugins
     from topq.core.recipe import Recipe, load_recipe
 
     if source.suffix.lower() in RECIPE_SUFFIXES:
@@ -46,8 +65,28 @@ def _load(source: Path) -> tuple[Module, WeightGetter, dict[str, Any]]:
         from topq.core.bundle import Bundle
 
         recipe = Recipe.from_dict(Bundle(source).recipe, source=str(source))
-    model = load_model(recipe)
-    return model.module, lambda name: np.asarray(model.weight(name), dtype=np.float32), recipe.to_dict()
+    plugins = get_plugins()
+    scheme = plugins.schemes.get(recipe.quant.scheme)
+    model = load_model(recipe, plugins)
+    quantized: QuantizedGetter | None = None
+    if use_prequantized(scheme, prequantized):
+        # Calibrated schemes (AWQ) may rewrite float tensors too; make_quantizer puts them in model.weight.
+        quantizer = make_quantizer(model, recipe, plugins, linear_weight_names(model.module))
+        quantized = quantizer.values
+    return Source(model.module, lambda name: np.asarray(model.weight(name), dtype=np.float32), recipe.to_dict(),
+                  quantized)
+
+
+def use_prequantized(scheme: Any, wanted: bool | None) -> bool:
+    """The pre-quantized route by default for schemes whose values TPU-MLIR cannot compute itself (calibrated
+    algorithms, a checkpoint's own codes); the float route (TPU-MLIR's RTN) for float and RTN schemes."""
+    if scheme.weight_bits is None and scheme.name != "auto":
+        if wanted:
+            raise TopqError(f"--option route=prequantized: scheme {scheme.name} quantizes no weights")
+        return False
+    if wanted is not None:
+        return wanted
+    return bool(scheme.needs_calibration or scheme.name == "auto")
 
 
 def default_quantize(quant: dict[str, Any]) -> str:
@@ -105,11 +144,12 @@ def write_net(net: Net, out_dir: Path) -> Path:
     return directory
 
 
-def export_nets(module: Module, get_weight: WeightGetter, vocab_size: int | None) -> list[Net]:
+def export_nets(module: Module, get_weight: WeightGetter, vocab_size: int | None,
+                quantized: QuantizedGetter | None = None) -> list[Net]:
     """Every function of `module` as a TPU-MLIR net (refusing unmapped ops by name), plus greedy_head."""
     names = net_names(module)
     functions: list[Function] = list(module)
-    nets = [translate_function(f, get_weight, names[f.name]) for f in functions]
+    nets = [translate_function(f, get_weight, names[f.name], quantized) for f in functions]
     if vocab_size is not None:
         nets.append(greedy_head(vocab_size))
     return nets
@@ -123,7 +163,8 @@ def _bool_option(value: str, key: str) -> bool:
     raise TopqError(f"--option {key}: expected true or false, got {value!r}")
 
 
-KNOWN_OPTIONS = ("quantize", "group_size", "chip", "combine", "nets")
+KNOWN_OPTIONS = ("quantize", "group_size", "chip", "combine", "nets", "route")
+ROUTES = ("float", "prequantized")
 
 
 def export(request: ExportRequest) -> dict[str, Any]:
@@ -131,7 +172,11 @@ def export(request: ExportRequest) -> dict[str, Any]:
     if unknown:
         raise TopqError(f"exporter tpu-mlir: unknown option {unknown[0]!r} (known options: {', '.join(KNOWN_OPTIONS)})")
     tpu = find_tpu_mlir(request.tool)  # checked before the (slow) load so a bad path fails at once
-    module, get_weight, recipe = _load(request.source)
+    route = request.options.get("route")
+    if route is not None and route not in ROUTES:
+        raise TopqError(f"--option route: {route!r} is not one of {', '.join(ROUTES)}")
+    loaded = load_source(request.source, None if route is None else route == "prequantized")
+    module, recipe = loaded.module, loaded.recipe
     quant = recipe["quant"]
     quantize = request.options.get("quantize", "").lower() or default_quantize(quant)
     if quantize not in QUANTIZE_MODES:
@@ -142,12 +187,13 @@ def export(request: ExportRequest) -> dict[str, Any]:
         raise TopqError(f"--option group_size must be an integer, got {request.options['group_size']!r}") from None
     chip = request.options.get("chip", "bm1684x")
     vocab = next((f.results[0].shape[-1] for f in module if f.name == "lm_head"), None)
-    nets = export_nets(module, get_weight, vocab)
+    nets = export_nets(module, loaded.weight, vocab, loaded.quantized)
 
     out_dir = request.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
+    route_used = "prequantized" if loaded.quantized is not None else "float"
     manifest: dict[str, Any] = {"format": "topq-tpu-mlir-export", "version": 1, "chip": chip, "quantize": quantize,
-                                "group_size": group_size, "nets": []}
+                                "group_size": group_size, "route": route_used, "nets": []}
     jobs: list[tuple[Path, list[str]]] = []
     for net in nets:
         directory = write_net(net, out_dir)
@@ -159,7 +205,8 @@ def export(request: ExportRequest) -> dict[str, Any]:
             "inputs": [{"name": i.name, "shape": list(i.shape), "dtype": i.dtype} for i in net.inputs],
             "outputs": net.outputs, "model_deploy": args,
         })
-    summary: dict[str, Any] = {"output": str(out_dir), "nets": [n.name for n in nets], "quantize": quantize}
+    summary: dict[str, Any] = {"output": str(out_dir), "nets": [n.name for n in nets], "quantize": quantize,
+                               "route": route_used}
     wanted = [n for n in request.options.get("nets", "").split(",") if n]
     if wanted:
         known = {net.name for net in nets}

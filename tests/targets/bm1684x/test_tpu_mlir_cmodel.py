@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_tpu_mlir_export import STAGES, write_recipe
 
 from topq.core.bundle import Bundle
 from topq.core.cli import main
@@ -22,8 +23,6 @@ from topq.core.pipeline import convert
 from topq.core.plugins import get_plugins
 from topq.core.recipe import load_recipe
 from topq.plugins.exporters.tpu_mlir.deploy import TpuMlir, find_tpu_mlir, run_bmodel, run_tool
-
-from test_tpu_mlir_export import STAGES, write_recipe
 
 REPO = Path(__file__).resolve().parents[3]
 TPU_MASK = np.float32(-10000.0)  # what LLM-TPU's runtime writes into masked attention slots
@@ -155,10 +154,15 @@ def chained_greedy(tpu: TpuMlir, out: Path, prompt: list[int], steps: int, kvh: 
     def run(net: str, **inputs: np.ndarray) -> dict[str, np.ndarray]:
         return run_bmodel(tpu, out / net / f"{net}.bmodel", inputs, out / net / "chain")
 
+    def only(outputs: dict[str, np.ndarray]) -> np.ndarray:
+        # a net compiled without --quant_output (lm_head) names its output NAME_f32
+        (value,) = outputs.values()
+        return value
+
     n = len(prompt)
     ids = np.zeros((1, L), np.int32)
     ids[0, :n] = prompt
-    hidden = run("embedding", input_ids=ids)["input_states"]
+    hidden = only(run("embedding", input_ids=ids))
     causal = np.triu(np.full((L, L), TPU_MASK, np.float32), 1)[None, None]
     block = run("block_0", input_states=hidden, position_ids=np.arange(L, dtype=np.int32)[None],
                 attention_mask=causal)
@@ -168,12 +172,12 @@ def chained_greedy(tpu: TpuMlir, out: Path, prompt: list[int], steps: int, kvh: 
     last = block["output_states"][:, n - 1:n]
     tokens: list[int] = []
     for step in range(steps):
-        logits = run("lm_head", hidden_states=last)["m_logits"]
-        tokens.append(int(run("greedy_head", m_logits=logits.reshape(1, -1))["token_id"].ravel()[0]))
+        logits = only(run("lm_head", hidden_states=last))
+        tokens.append(int(only(run("greedy_head", m_logits=logits.reshape(1, -1))).ravel()[0]))
         if step == steps - 1:
             break
         position = n + step
-        token_hidden = run("embedding_cache", input_ids=np.array([[tokens[-1]]], np.int32))["input_states"]
+        token_hidden = only(run("embedding_cache", input_ids=np.array([[tokens[-1]]], np.int32)))
         mask = np.zeros((1, 1, 1, S + 1), np.float32)
         mask[..., position:S] = TPU_MASK
         decoded = run("block_cache_0", input_states=token_hidden, position_ids=np.array([[position]], np.int32),

@@ -158,7 +158,7 @@ def test_a16_operands_pack_topq_codes_as_tpu_mlir_reads_them() -> None:
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 16, (6, 8))
     q = QuantizedWeight(codes, rng.random((6, 2)).astype(np.float32), rng.integers(0, 16, (6, 2)), 4, 4, False)
-    packed, scales, zeros = a16_operands(q, "w")
+    packed, _, zeros = a16_operands(q, "w")
     assert packed.shape == (6, 4) and packed.dtype == np.uint8 and zeros.dtype == np.uint8
     np.testing.assert_array_equal(packed & 0xF, codes[:, 0::2])  # even K column in the low nibble
     np.testing.assert_array_equal(packed >> 4, codes[:, 1::2])

@@ -140,7 +140,7 @@ def write_net(net: Net, out_dir: Path) -> Path:
     directory = out_dir / net.name
     directory.mkdir(parents=True, exist_ok=True)
     (directory / f"{net.name}.mlir").write_text(net.mlir, encoding="utf-8")
-    np.savez(directory / net.weight_file, **net.weights)
+    np.savez(directory / net.weight_file, **net.weights)  # type: ignore[arg-type]  # numpy's stub types **kwds badly
     return directory
 
 

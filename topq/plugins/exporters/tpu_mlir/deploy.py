@@ -37,7 +37,7 @@ def find_tpu_mlir(option: str | None) -> TpuMlir | None:
     wanted = option or os.environ.get(ENV_VAR)
     if not wanted:
         return None
-    python = Path(wanted)
+    python = Path(wanted).absolute()  # tools run in the net directories; not resolve(): a venv python is a symlink
     if python.is_dir():  # a venv directory is accepted too
         python = python / "bin" / "python"
     found = TpuMlir(python)
@@ -63,7 +63,7 @@ def run_tool(tpu: TpuMlir, tool: str, args: Sequence[str], cwd: Path, log_name: 
     env.pop("PYTHONPATH", None)  # topq's path must not shadow TPU-MLIR's own packages
     with open(log, "w", encoding="utf-8") as out:
         code = subprocess.run(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                              stdin=subprocess.DEVNULL).returncode
+                              stdin=subprocess.DEVNULL, check=False).returncode
     if code != 0:
         raise TopqError(f"TPU-MLIR {tool} failed for {cwd.name} (exit {code}, log {log}): {_tail(log)}")
 
@@ -94,7 +94,8 @@ def combine(tpu: TpuMlir, bmodels: Sequence[Path], output: Path) -> None:
 def run_bmodel(tpu: TpuMlir, bmodel: Path, inputs: Mapping[str, np.ndarray], work_dir: Path) -> dict[str, np.ndarray]:
     """Run one compiled net on TPU-MLIR's simulator (model_runner.py, cmodel); outputs by name, as float32."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    np.savez(work_dir / "runner_input.npz", **{k: np.asarray(v) for k, v in inputs.items()})
+    arrays = {k: np.asarray(v) for k, v in inputs.items()}
+    np.savez(work_dir / "runner_input.npz", **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds badly
     run_tool(tpu, "model_runner.py", ["--input", "runner_input.npz", "--model", str(bmodel.resolve()),
                                       "--output", "runner_output.npz"], work_dir, "runner.log")
     with np.load(work_dir / "runner_output.npz") as out:

@@ -28,7 +28,6 @@ from topq.core.quant import QuantizedWeight
 from topq.ir.errors import TopqError
 from topq.ir.graph import Function, Operation, Value
 from topq.ir.printer import format_float, format_string
-from topq.ir.types import TensorType
 
 #: TPU-MLIR accepts these Top IR ops (after the rewrites below); anything else is refused by name.
 SUPPORTED_OPS: frozenset[str] = frozenset({
@@ -287,14 +286,14 @@ def translate_function(function: Function, get_weight: WeightGetter, net_name: s
     if mask_shape is not None and old_mask_arg is None:
         inputs.insert(min(2, len(inputs)), ("attention_mask", mask_shape, "f32", None))
     mask_ssa: str | None = None
-    for index, (label, shape, dtype, arg) in enumerate(inputs):
+    for index, (label, shape, dtype, input_arg) in enumerate(inputs):
         ssa = em.fresh()
         arg_type = "tensor<" + "".join(f"{d}x" for d in shape) + f"{dtype}>"
         em.lines.append(f'    {ssa} = "top.Input"(%arg{index}) : ({arg_type}) -> {_f32(shape)} {_loc(em.unique_loc(label))}')
         em.shapes[ssa] = shape
-        if arg is not None:
-            em.names[id(arg)] = ssa
-        if label == "attention_mask" or arg is old_mask_arg:
+        if input_arg is not None:
+            em.names[id(input_arg)] = ssa
+        if label == "attention_mask" or input_arg is old_mask_arg:
             mask_ssa = ssa if mask_shape is not None else None
 
     result_names = _result_names(function, stage)
@@ -522,13 +521,13 @@ def _split_mlp(em: _Emitter, op: Operation, x: str, loc: str) -> list[str]:
 def greedy_head(vocab_size: int) -> Net:
     """LLM-TPU's `greedy_head` net: logits [1, V] → the arg-max token id [1, 1] (TopK with K = 1)."""
     text = "\n".join([
-        'module @"greedy_head" attributes {module.chip = "ALL", module.platform = "LLM", module.state = "TOP_F32", '
-        'module.top_run_mode = "STATIC", module.weight_file = "greedy_head_top_weights.npz"} {',
+        ('module @"greedy_head" attributes {module.chip = "ALL", module.platform = "LLM", module.state = "TOP_F32", '
+         'module.top_run_mode = "STATIC", module.weight_file = "greedy_head_top_weights.npz"} {'),
         f"  func.func @main(%arg0: {_f32((1, vocab_size))} loc(unknown)) -> {_f32((1, 1))} {{",
         '    %0 = "top.None"() : () -> none loc(unknown)',
         f'    %1 = "top.Input"(%arg0) : ({_f32((1, vocab_size))}) -> {_f32((1, vocab_size))} {_loc("m_logits")}',
-        f'    %2:2 = "top.TopK"(%1) {{K = 1 : i64, axis = 1 : i64}} : ({_f32((1, vocab_size))}) -> '
-        f'({_f32((1, 1))}, {_f32((1, 1))}) {_loc("token_value", "token_id")}',
+        (f'    %2:2 = "top.TopK"(%1) {{K = 1 : i64, axis = 1 : i64}} : ({_f32((1, vocab_size))}) -> '
+         f'({_f32((1, 1))}, {_f32((1, 1))}) {_loc("token_value", "token_id")}'),
         f"    return %2#1 : {_f32((1, 1))} loc(unknown)",
         "  } loc(unknown)",
         "} loc(unknown)",

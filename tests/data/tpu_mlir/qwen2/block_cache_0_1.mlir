@@ -1,4 +1,4 @@
-module @"block_cache_0_1" attributes {module.chip = "ALL", module.platform = "LLM", module.state = "TOP_F32", module.top_run_mode = "STATIC", module.weight_file = "block_cache_0_1_top_weights.npz"} {
+module @"block_cache_0" attributes {module.chip = "ALL", module.platform = "LLM", module.state = "TOP_F32", module.top_run_mode = "STATIC", module.weight_file = "block_cache_0_1_top_weights.npz"} {
   func.func @main(%arg0: tensor<1x1x64xf32> loc(unknown), %arg1: tensor<1x1xsi32> loc(unknown), %arg2: tensor<1x1x1x33xf32> loc(unknown), %arg3: tensor<1x32x2x16xf32> loc(unknown), %arg4: tensor<1x32x2x16xf32> loc(unknown)) -> (tensor<1x1x64xf32>, tensor<1x1x2x16xf32>, tensor<1x1x2x16xf32>) {
     %0 = "top.None"() : () -> none loc(unknown)
     %1 = "top.Input"(%arg0) : (tensor<1x1x64xf32>) -> tensor<1x1x64xf32> loc(fused["input_states"])

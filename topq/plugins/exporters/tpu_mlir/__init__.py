@@ -67,6 +67,7 @@ def load_source(source: Path, prequantized: bool | None) -> Source:
         recipe = Recipe.from_dict(Bundle(source).recipe, source=str(source))
     plugins = get_plugins()
     scheme = plugins.schemes.get(recipe.quant.scheme)
+    refuse_activation_quantization(scheme)
     model = load_model(recipe, plugins)
     quantized: QuantizedGetter | None = None
     if use_prequantized(scheme, prequantized):
@@ -75,6 +76,15 @@ def load_source(source: Path, prequantized: bool | None) -> Source:
         quantized = quantizer.values
     return Source(model.module, lambda name: np.asarray(model.weight(name), dtype=np.float32), recipe.to_dict(),
                   quantized)
+
+
+def refuse_activation_quantization(scheme: Any) -> None:
+    """TPU-MLIR has no activation-INT8 LLM mode, so W8A8 cannot be handed over.
+
+    The scheme contract has no activation-quantization field yet (issue 11 adds one); until then int8 is
+    recognised by name."""
+    if scheme.name == "int8" or scheme.extra.get("act_quant"):
+        raise TopqError(f"quant scheme {scheme.name} (W8A8) has no TPU-MLIR route; export a weight-only or float recipe")
 
 
 def use_prequantized(scheme: Any, wanted: bool | None) -> bool:
@@ -94,8 +104,7 @@ def default_quantize(quant: dict[str, Any]) -> str:
     from topq.core.plugins import get_plugins
 
     scheme = get_plugins().schemes.get(str(quant["scheme"]))
-    if scheme.name == "int8" or scheme.extra.get("act_quant"):
-        raise TopqError("quant scheme int8 (W8A8) has no TPU-MLIR route; export a weight-only or float recipe")
+    refuse_activation_quantization(scheme)
     act = quant.get("act_dtype") or scheme.compute_dtype
     bits = quant.get("bits") or scheme.weight_bits
     if bits is None:
@@ -118,7 +127,14 @@ def net_names(module: Module) -> dict[str, str]:
     return names
 
 
-def deploy_args(net: Net, quantize: str, group_size: int, symmetric: bool, chip: str) -> list[str]:
+def chunk_of(net: str) -> str | None:
+    """`block_cache_i` for a decode-chunk net `block_cache_i_k`, else None."""
+    parts = net.split("_")
+    return "_".join(parts[:3]) if net.startswith("block_cache_") and len(parts) == 4 else None
+
+
+def deploy_args(net: Net, quantize: str, group_size: int, symmetric: bool, chip: str,
+                has_chunks: bool = False) -> list[str]:
     """model_deploy.py's arguments for one net, as TPU-MLIR's own LLM converter passes them."""
     args = ["--mlir", f"{net.name}.mlir", "--chip", chip, "--model", f"{net.name}.bmodel"]
     half = "bf16" if "bf16" in quantize or quantize == "f32" else "f16"
@@ -127,6 +143,11 @@ def deploy_args(net: Net, quantize: str, group_size: int, symmetric: bool, chip:
         if quantize.startswith("w"):
             args += ["--q_group_size", str(group_size)] + (["--q_symmetric"] if symmetric else [])
         args += ["--addr_mode", "io_alone" if net.stage == "decode" else "basic"]
+        base = chunk_of(net.name)
+        if base is not None:  # a decode chunk reuses its block_cache's io layout (one net, several stages)
+            args += ["--use_io_alone_config", f"../{base}/io_alone_config.json"]
+        elif net.stage == "decode" and has_chunks:
+            args += ["--save_io_alone_config", "io_alone_config.json"]
     elif net.name == "greedy_head":
         args += ["--addr_mode", "io_alone"]
     elif net.name == "lm_head":
@@ -149,7 +170,7 @@ def export_nets(module: Module, get_weight: WeightGetter, vocab_size: int | None
     """Every function of `module` as a TPU-MLIR net (refusing unmapped ops by name), plus greedy_head."""
     names = net_names(module)
     functions: list[Function] = list(module)
-    nets = [translate_function(f, get_weight, names[f.name], quantized) for f in functions]
+    nets = [translate_function(f, get_weight, names[f.name], quantized, chunk_of(names[f.name])) for f in functions]
     if vocab_size is not None:
         nets.append(greedy_head(vocab_size))
     return nets
@@ -195,9 +216,10 @@ def export(request: ExportRequest) -> dict[str, Any]:
     manifest: dict[str, Any] = {"format": "topq-tpu-mlir-export", "version": 1, "chip": chip, "quantize": quantize,
                                 "group_size": group_size, "route": route_used, "nets": []}
     jobs: list[tuple[Path, list[str]]] = []
+    has_chunks = any(chunk_of(net.name) for net in nets)
     for net in nets:
         directory = write_net(net, out_dir)
-        args = deploy_args(net, quantize, group_size, bool(quant.get("symmetric")), chip)
+        args = deploy_args(net, quantize, group_size, bool(quant.get("symmetric")), chip, has_chunks)
         jobs.append((directory, args))
         manifest["nets"].append({
             "name": net.name, "stage": net.stage, "mlir": f"{net.name}/{net.name}.mlir",
@@ -222,7 +244,10 @@ def export(request: ExportRequest) -> dict[str, Any]:
 
 def _compile(tpu: TpuMlir, jobs: list[tuple[Path, list[str]]], out_dir: Path, request: ExportRequest,
              manifest: dict[str, Any]) -> dict[str, Any]:
-    deploy_all(tpu, jobs, request.jobs, request.progress)
+    # Decode chunks need their block_cache's io_alone_config.json: a second round.
+    first = [job for job in jobs if chunk_of(job[0].name) is None]
+    deploy_all(tpu, first, request.jobs, request.progress)
+    deploy_all(tpu, [job for job in jobs if chunk_of(job[0].name) is not None], request.jobs, request.progress)
     bmodels = [directory / f"{directory.name}.bmodel" for directory, _ in jobs]
     compiled = {b.parent.name: b for b in bmodels}
     for entry in manifest["nets"]:

@@ -260,8 +260,11 @@ def _prefill_mask_shape(function: Function) -> tuple[int, ...] | None:
 
 
 def translate_function(function: Function, get_weight: WeightGetter, net_name: str | None = None,
-                       quantized: QuantizedGetter | None = None) -> Net:
-    """The TPU-MLIR Top module of `function` (weights read with `get_weight`), named `net_name`.
+                       quantized: QuantizedGetter | None = None, module_name: str | None = None) -> Net:
+    """The TPU-MLIR Top module of `function` (weights read with `get_weight`) for net directory `net_name`.
+
+    `module_name` (default `net_name`) names the bmodel net: decode chunks share their block_cache's name, so
+    `model_tool --combine` makes them stages of one net, as LLM-TPU's runtime expects.
 
     With `quantized`, every linear it gives values for becomes `top.A16MatMul` with those codes (the
     pre-quantized route); the others stay float32 MatMuls for TPU-MLIR to quantize."""
@@ -308,7 +311,7 @@ def translate_function(function: Function, get_weight: WeightGetter, net_name: s
     out_types = [em.type_of(r) for r in returns]
     out_text = out_types[0] if len(out_types) == 1 else "(" + ", ".join(out_types) + ")"
     platform = "LLM_QUANTIZED" if em.prequantized else "LLM"
-    header = (f"module @{format_string(name)} attributes {{module.chip = \"ALL\", module.platform = \"{platform}\", "
+    header = (f"module @{format_string(module_name or name)} attributes {{module.chip = \"ALL\", module.platform = \"{platform}\", "
               f"module.state = \"TOP_F32\", module.top_run_mode = \"STATIC\", "
               f"module.weight_file = {format_string(f'{name}_top_weights.npz')}}} {{")
     text = "\n".join([

@@ -8,11 +8,13 @@ and `model_tool --combine` into `DIR/model.bmodel`.
 
 Two routes for quantized linears: the float route exports float32 weights and TPU-MLIR quantizes them (RTN)
 as `--quantize` asks; the pre-quantized route writes `top.A16MatMul` with topq's own codes, scales and zero
-points, so GPTQ / AWQ / AutoRound / imported values reach the chip. Options (`--option KEY=VALUE`): `quantize` (bf16, f16, w8bf16, w4bf16, w8f16,
-w4f16; default from the recipe), `group_size` (default the recipe's `quant.group_size`), `chip` (bm1684x),
-`combine` (true/false, default true), `nets` (comma-separated net names to compile; default all; every
-net's files are written either way), `route` (float or prequantized; default prequantized for calibrated
-schemes and `auto`, float otherwise).
+points, so GPTQ / AWQ / AutoRound / imported values reach the chip.
+
+Options (`--option KEY=VALUE`): `quantize` (bf16, f16, w8bf16, w4bf16, w8f16, w4f16; default from the
+recipe), `group_size` (default the recipe's `quant.group_size`), `chip` (bm1684x), `combine` (true/false,
+default true), `nets` (comma-separated net names to compile; default all; every net's files are written
+either way), `route` (float or prequantized; default prequantized for calibrated schemes and `auto`, float
+otherwise).
 """
 
 from __future__ import annotations
@@ -192,7 +194,8 @@ def export(request: ExportRequest) -> dict[str, Any]:
     unknown = sorted(set(request.options) - set(KNOWN_OPTIONS))
     if unknown:
         raise TopqError(f"exporter tpu-mlir: unknown option {unknown[0]!r} (known options: {', '.join(KNOWN_OPTIONS)})")
-    tpu = find_tpu_mlir(request.tool)  # checked before the (slow) load so a bad path fails at once
+    do_combine = _bool_option(request.options.get("combine", "true"), "combine")  # options fail before the load
+    tpu = find_tpu_mlir(request.tool)
     route = request.options.get("route")
     if route is not None and route not in ROUTES:
         raise TopqError(f"--option route: {route!r} is not one of {', '.join(ROUTES)}")
@@ -237,13 +240,13 @@ def export(request: ExportRequest) -> dict[str, Any]:
             raise TopqError(f"--option nets: no net {missing[0]!r} (nets: {', '.join(sorted(known))})")
         jobs = [job for job in jobs if job[0].name in wanted]
     if tpu is not None:
-        summary.update(_compile(tpu, jobs, out_dir, request, manifest))
+        summary.update(_compile(tpu, jobs, out_dir, request, manifest, do_combine))
     (out_dir / "export.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return summary
 
 
 def _compile(tpu: TpuMlir, jobs: list[tuple[Path, list[str]]], out_dir: Path, request: ExportRequest,
-             manifest: dict[str, Any]) -> dict[str, Any]:
+             manifest: dict[str, Any], do_combine: bool) -> dict[str, Any]:
     # Decode chunks need their block_cache's io_alone_config.json: a second round.
     first = [job for job in jobs if chunk_of(job[0].name) is None]
     deploy_all(tpu, first, request.jobs, request.progress)
@@ -254,7 +257,7 @@ def _compile(tpu: TpuMlir, jobs: list[tuple[Path, list[str]]], out_dir: Path, re
         if entry["name"] in compiled:
             entry["bmodel"] = str(compiled[entry["name"]].relative_to(out_dir))
     result: dict[str, Any] = {"bmodels": [str(b) for b in bmodels]}
-    if _bool_option(request.options.get("combine", "true"), "combine"):
+    if do_combine:
         combined = out_dir / "model.bmodel"
         combine(tpu, bmodels, combined)
         manifest["combined"] = combined.name

@@ -131,10 +131,12 @@ def test_blocks_on_cmodel_match_the_emulator(tpu_mlir: TpuMlir, tmp_path: Path, 
 @pytest.mark.parametrize(("kind", "scheme", "quant"), [
     ("qwen2", "w4bf16", {"group_size": 32}),
     ("llama", "gptq", {"group_size": 32, "calibration": {"samples": 4, "seq_len": 32}}),
+    ("qwen2", "awq", {"group_size": 32, "calibration": {"samples": 4, "seq_len": 32}}),
 ])
 def test_prequantized_blocks_on_cmodel_match_the_emulator(tpu_mlir: TpuMlir, tmp_path: Path, kind: str, scheme: str,
                                                           quant: dict[str, Any]) -> None:
-    """The pre-quantized route: A16MatMul with topq's own codes (RTN, GPTQ), W4 threshold 0.999."""
+    """The pre-quantized route: A16MatMul with topq's own codes (RTN, GPTQ, AWQ with its rescaled norms),
+    W4 threshold 0.999."""
     export_and_compare(tpu_mlir, tmp_path, kind, scheme, 0.999, route="prequantized", quant=quant)
 
 

@@ -305,6 +305,41 @@ def ir_check(file: str) -> None:
     click.echo(print_module(module), nl=False)
 
 
+# ------------------------------------------------------------------------------------------ export
+@cli.command()
+@click.argument("kind")
+@click.argument("source", type=click.Path(exists=True, dir_okay=False))
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--tool", "--tpu-mlir", "tool", metavar="PYTHON",
+              help="The other tool's Python (for tpu-mlir: a venv from scripts/setup-tpu-mlir.sh; "
+                   "default $TOPQ_TPU_MLIR). Without it only the files are written.")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="An exporter option (repeatable).")
+@click.option("--jobs", type=click.IntRange(min=1), help="Parallel tool runs (default: the core count).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def export(kind: str, source: str, directory: str, tool: str | None, options: tuple[str, ...], jobs: int | None,
+           as_json: bool) -> None:
+    """Export the model of SOURCE (a recipe or a bundle) as KIND (e.g. tpu-mlir) into DIRECTORY."""
+    import os
+
+    from topq.core.exporter import ExportRequest
+    from topq.core.plugins import get_plugins
+
+    exporter = get_plugins().exporters.get(kind)
+    pairs: dict[str, str] = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise TopqError(f"--option must be KEY=VALUE, got {item!r}")
+        pairs[key] = value
+    request = ExportRequest(source=Path(source), out_dir=Path(directory), tool=tool, options=pairs,
+                            jobs=jobs or os.cpu_count() or 1, progress=not as_json)
+    summary = exporter.export(request)
+    if as_json:
+        _emit_json(summary)
+    else:
+        click.echo(f"wrote {summary.get('output', directory)}")
+
+
 # ------------------------------------------------------------------------------------------ plugins
 @cli.command()
 @click.option("--json", "as_json", is_flag=True)

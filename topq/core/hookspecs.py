@@ -1,7 +1,8 @@
 """The hooks a topq plugin implements. Each receives a `register` callback (the style of simonw/llm).
 
 A plugin is a module (or object) with functions decorated by `topq.hookimpl`; it registers built-in
-or third-party model families, checkpoint formats, quantization schemes, targets and IR extensions. Every hook is
+or third-party model families, checkpoint formats, quantization schemes, targets, IR extensions and exporters. Every
+hook is
 documented in docs/plugins.md (a test checks that).
 """
 
@@ -13,6 +14,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from topq.core.checkpoint import CheckpointFormat
+    from topq.core.exporter import Exporter
     from topq.core.family import ModelFamily
     from topq.core.quant import QuantScheme
     from topq.core.target import Target
@@ -57,3 +59,8 @@ def register_targets(register: Register[Target]) -> None:
 def register_ir_extensions(register: Register[IRExtension]) -> None:
     """Register IR extensions: ops added to the catalogue, region kernels the reference interpreter runs them with,
     and optionally the substitution that applies a recipe's `kernels:` section (topq.raw registers its own)."""
+
+
+@hookspec
+def register_exporters(register: Register[Exporter]) -> None:
+    """Register exporters (`topq export KIND SOURCE DIR`): hand a model to another tool, e.g. TPU-MLIR."""

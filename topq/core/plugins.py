@@ -19,6 +19,7 @@ import pluggy
 from topq.core import hookspecs
 from topq.core.checkpoint import CheckpointFormat
 from topq.core.errors import TopqError, UnknownNameError
+from topq.core.exporter import Exporter
 from topq.core.family import ModelFamily
 from topq.core.quant import Option, QuantScheme, merge_options
 from topq.core.target import Target
@@ -41,6 +42,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.targets.bm1684x",
     "topq.raw.plugin",
     "topq.plugins.targets.onnx",
+    "topq.plugins.exporters.tpu_mlir",
 )
 
 #: hook name → registry kind
@@ -50,6 +52,7 @@ HOOKS: dict[str, str] = {
     "register_quant_schemes": "quant scheme",
     "register_targets": "target",
     "register_ir_extensions": "IR extension",
+    "register_exporters": "exporter",
 }
 
 class Named(Protocol):
@@ -113,6 +116,7 @@ class Plugins:
     #: every loaded scheme's recipe options, each once (the recipe schema adds them to the core's keys)
     scheme_options: tuple[Option, ...] = ()
     ir_extensions: Registry[IRExtension] = field(default_factory=lambda: Registry("IR extension"))
+    exporters: Registry[Exporter] = field(default_factory=lambda: Registry("exporter"))
 
     def registry(self, hook: str) -> Registry[Any]:
         registries: dict[str, Registry[Any]] = {
@@ -121,6 +125,7 @@ class Plugins:
             "register_quant_schemes": self.schemes,
             "register_targets": self.targets,
             "register_ir_extensions": self.ir_extensions,
+            "register_exporters": self.exporters,
         }
         return registries[hook]
 

@@ -181,3 +181,49 @@ def test_long_bad_values_are_shortened_in_messages(capsys: pytest.CaptureFixture
 def test_bad_sampling_arguments(capsys: pytest.CaptureFixture[str], tiny_host: TinyFactory, args: list[str],
                                 fragment: str) -> None:
     expect_error(capsys, ["run", tiny_host("llama").bundle.path, "--prompt-ids", "5,6", *args], fragment)
+
+
+# ----------------------------------------------------------------------------------------- configs and IR text
+
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+
+
+@pytest.mark.parametrize(("config", "fragment"), [
+    ("[1, 2]", "a config is a JSON object, got list"),
+    (b"\xd9\x00\xff binary", "cannot read config"),
+    (json.dumps({**LLAMA_CONFIG, "num_attention_heads": 0}), "num_attention_heads = 0"),
+    (json.dumps({**LLAMA_CONFIG, "num_hidden_layers": -1}), "num_layers = -1"),
+    (json.dumps({**LLAMA_CONFIG, "num_hidden_layers": 0}), "num_layers = 0"),
+    (json.dumps({**LLAMA_CONFIG, "num_key_value_heads": 3}), "not a multiple of 3 key/value heads"),
+])
+def test_bad_perf_configs(capsys: pytest.CaptureFixture[str], tmp_path: Path, config: str | bytes,
+                          fragment: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_bytes(config if isinstance(config, bytes) else config.encode())
+    expect_error(capsys, ["perf", "--config", path, "--chip", "bm1684x", "--quant", "w4bf16", "--seq-length", "64"],
+                 fragment)
+
+
+def test_perf_refuses_a_negative_group_size(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_CONFIG))
+    expect_error(capsys, ["perf", "--config", path, "--chip", "bm1684x", "--quant", "w4bf16", "--seq-length", "64",
+                          "--group-size", "-5"], "--group-size")
+
+
+def test_zero_heads_in_a_checkpoint_config(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                           tmp_path: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    out = tmp_path / "out.topq"
+    expect_error(capsys, ["convert", recipe_file(tmp_path, str(checkpoint), str(out))], "num_attention_heads = 0")
+    assert not out.exists()
+
+
+def test_huge_integer_in_ir_text(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    text = ('func.func @f() -> (tensor<1xf32>) {\n  %0 = "top.Weight"() {name = "w", n = ' + "9" * 5000
+            + ' : i64} : () -> tensor<1xf32>\n  return %0 : tensor<1xf32>\n}\n')
+    path = tmp_path / "big.mlir"
+    path.write_text(text)
+    expect_error(capsys, ["ir", "check", path], "integer literal out of the 64-bit range")

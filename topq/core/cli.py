@@ -255,7 +255,7 @@ def inspect(bundle: str, as_json: bool) -> None:
 @click.option("--seq-length", required=True, type=click.IntRange(min=1))
 @click.option("--max-input-length", type=click.IntRange(min=1))
 @click.option("--lm-head-quant", default="bf16", show_default=True)
-@click.option("--group-size", default=64, show_default=True, type=int)
+@click.option("--group-size", default=64, show_default=True, type=click.IntRange(min=-1))
 @click.option("--json", "as_json", is_flag=True)
 def perf(config_path: str, chip: str, quant: str, seq_length: int, max_input_length: int | None,
          lm_head_quant: str, group_size: int, as_json: bool) -> None:
@@ -266,9 +266,11 @@ def perf(config_path: str, chip: str, quant: str, seq_length: int, max_input_len
     if target.perf is None:
         raise TopqError(f"target {chip} has no performance model")
     try:
-        config = json.loads(Path(config_path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        config = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TopqError(f"{config_path}: cannot read config: {exc}") from None
+    if not isinstance(config, dict):
+        raise TopqError(f"{config_path}: a config is a JSON object, got {type(config).__name__}")
     result = target.perf(config=config, quant=quant, seq_length=seq_length,
                          max_input_length=max_input_length or seq_length, lm_head_quant=lm_head_quant,
                          group_size=group_size)

@@ -41,6 +41,20 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    #: sizes the graph divides by or allocates: a config giving 0, a negative or a non-integer is refused here
+    POSITIVE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "vocab_size")
+
+    def __post_init__(self) -> None:
+        for name in self.POSITIVE:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TopqError(f"{self.architecture}: {name} = {value!r} in the config; it must be a positive "
+                                "integer")
+        if self.num_heads % self.num_kv_heads:
+            raise TopqError(f"{self.architecture}: {self.num_heads} attention heads are not a multiple of "
+                            f"{self.num_kv_heads} key/value heads")
+
     @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim

@@ -87,6 +87,14 @@ class _Parser:
         column = pos - (self.text.rfind("\n", 0, pos) + 1) + 1
         raise IRParseError(message, line, column, self.source)
 
+    def integer(self, text: str) -> int:
+        """An integer literal; the IR's integers are at most 64 bits (a longer literal is refused before Python
+        converts it: 5,000 digits would raise, and a million would take seconds)."""
+        if len(text.lstrip("+-")) > 20 or not -(1 << 63) <= (value := int(text)) < (1 << 64):
+            self.i -= 1
+            self.fail("integer literal out of the 64-bit range")
+        return value
+
     def fail(self, message: str) -> NoReturn:
         self.fail_at(self.starts[self.i], message)
 
@@ -196,7 +204,7 @@ class _Parser:
             if "#" in result_name:
                 self.fail("a result name cannot carry '#'")
             if self.accept(":"):
-                count = int(self.expect_kind("int", "a result count"))
+                count = self.integer(self.expect_kind("int", "a result count"))
                 if count < 1:
                     self.i -= 1
                     self.fail("a result count must be at least 1")
@@ -332,7 +340,7 @@ class _Parser:
             return _unescape(text[1:-1])
         if kind == "int":
             self.i += 1
-            value: Attr = int(text)
+            value: Attr = self.integer(text)
             if self.peek() == ":":
                 self.i += 1
                 suffix = self.expect_kind("ident", "an integer or float type")

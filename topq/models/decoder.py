@@ -94,6 +94,8 @@ class DecoderConfig:
 
     def spec(self, config: Mapping[str, Any], family: str, **overrides: Any) -> ModelSpec:
         heads = self.num_attention_heads
+        if heads < 1:
+            raise TopqError(f"{family}: num_attention_heads = {heads} in the config; it must be a positive integer")
         head_dim = self.head_dim if self.head_dim is not None else self.hidden_size // heads
         spec: dict[str, Any] = {
             "family": family,

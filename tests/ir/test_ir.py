@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
+from data_paths import REPO
 from ir_gen import EVERY_KIND_ATTRS, NASTY_STRING, Dims, build_module, op_table_rows
 
 from topq.ir.builder import Builder
@@ -21,7 +21,6 @@ from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.ir.types import ScalarType, TensorType, tensor
 from topq.ir.verifier import VerifyError, verify_module
 
-REPO = Path(__file__).resolve().parent.parent
 DIMS = Dims()
 
 

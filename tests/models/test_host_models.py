@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import TinyHost
+from host_bundles import TinyHost
 from tiny_models import KINDS
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,

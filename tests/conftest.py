@@ -111,8 +111,8 @@ def smol_torch() -> Any:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--bundle-digests", metavar="FILE", default=None,
-                     help="write a JSON map of every topq bundle left under the session's temp dir to its sha256 "
-                          "and a path-normalised content digest (compare two runs with tests/compare_digests.py)")
+                     help="write a JSON map of every topq bundle left under the session's temp dir to its sha256 and "
+                          "a path-normalised content digest (compare runs: scripts/compare_bundle_digests.py)")
 
 
 def _bundle_digest(path: Path, basetemp: str) -> dict[str, str] | None:

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from topq.core.errors import TopqError
 from topq.core.recipe import (
-    PATH_FIELDS,
-    SCHEMA,
     Field,
     Recipe,
+    default_schema,
     iter_fields,
     load_recipe,
+    path_fields,
     recipe_from_defaults,
 )
 
@@ -82,8 +82,8 @@ def test_schema_is_data_with_help() -> None:
     assert fields["quant.observer"].choices == ("minmax", "percentile", "kl")
     assert fields["quant.group_size"] == Field("int", 64, help=fields["quant.group_size"].help, ge=-1)
     assert all(f.help for f in fields.values())
-    assert set(PATH_FIELDS) == {"model.path", "output.path", "quant.calibration.data", "quant.table"}
-    assert isinstance(SCHEMA["quant"]["calibration"], dict)
+    assert set(path_fields()) == {"model.path", "output.path", "quant.calibration.data", "quant.table"}
+    assert isinstance(default_schema()["quant"]["calibration"], dict)
 
 
 def test_empty_section_means_defaults(workdir: Path) -> None:

@@ -13,12 +13,14 @@ import math
 import sys
 from dataclasses import dataclass
 
-import topq.raw  # noqa: F401  (registers top.DSLRegion, which the op table lists)
 from topq.ir.builder import Builder
 from topq.ir.catalogue import CATALOGUE, REQUIRED, OpDef
 from topq.ir.graph import Module, Value
 from topq.ir.printer import format_attr
 from topq.ir.types import ScalarType, tensor
+from topq.raw.extension import install as install_raw
+
+install_raw()  # top.DSLRegion (an IR extension, registered by the raw plugin) is in the op table
 
 #: Strings that stress the printer's escaping: quote, backslash, newline, tab, non-ASCII, emoji.
 NASTY_STRING = 'a "quoted" \\path\\ with\nnewline,\ttab, caf\u00e9, \u4e2d\u6587 and \U0001f600'

@@ -268,7 +268,7 @@ def test_schemes_are_registered() -> None:
         scheme = schemes.get(name)
         assert scheme.needs_calibration and scheme.calibrate is not None
         assert scheme.compute_dtype == "bf16" and scheme.weight_bits == 4
-        assert {"bits", "group_size", "symmetric", option} <= set(scheme.options)
+        assert {"bits", "group_size", "symmetric", option} <= {o.name for o in scheme.options}
 
 
 # ------------------------------------------------------------------------------------------- end to end

@@ -16,15 +16,18 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 import topq
+from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor
 from topq.ir.printer import print_function
 from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
@@ -172,6 +175,37 @@ def unit_keys(prepared: Prepared, units: dict[str, list[str]]) -> dict[str, str]
 # ---------------------------------------------------------------------------------------------- driver
 
 
+def _unit_damage(path: Path, names: Sequence[str], manifest: dict[str, Any]) -> str | None:
+    """Why a cached unit cannot be copied into a bundle (None: sound). Its tensors go in by their stored digests
+    without being read again, so every byte is checked here against those digests before reuse."""
+    try:
+        unit = SafetensorsFile(path)
+    except (TopqError, OSError, ValueError) as exc:
+        return str(exc)
+    if unit.names() != list(names):
+        return "its tensors are not the unit's"
+    for name in names:
+        array = unit.get_raw(name)
+        if array.dtype != manifest[name].np_dtype or tuple(array.shape) != tuple(manifest[name].shape):
+            return f"tensor {name} has the wrong type"
+        digest = hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
+        if digest != unit.metadata.get(f"sha256:{name}"):
+            return f"tensor {name} does not match its checksum"
+    return None
+
+
+def _reusable(path: Path, names: Sequence[str], manifest: dict[str, Any]) -> bool:
+    """A cached unit that exists and is sound; a damaged one is removed (it is rebuilt) with a warning."""
+    if not path.exists():
+        return False
+    damage = _unit_damage(path, names, manifest)
+    if damage is None:
+        return True
+    print(f"warning: build cache unit {path} is damaged ({damage}); rebuilding it", file=sys.stderr)
+    path.unlink(missing_ok=True)
+    return False
+
+
 @dataclass
 class BuildStats:
     units: int = 0
@@ -199,7 +233,7 @@ def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path |
     directory.mkdir(parents=True, exist_ok=True)
     keys = unit_keys(prepared, units)
     paths = {unit: directory / f"{keys[unit]}.safetensors" for unit in units}
-    todo = [unit for unit in units if not paths[unit].exists()]
+    todo = [unit for unit in units if not _reusable(paths[unit], units[unit], manifest)]
     stats.built, stats.reused = len(todo), len(units) - len(todo)
     tasks = [(prepared.recipe, units[unit], str(paths[unit]), prepared.calibration_file) for unit in todo]
     for _ in tqdm(executor.map(compile_unit, tasks), total=len(tasks), desc=f"compile units ({executor.name})",

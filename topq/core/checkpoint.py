@@ -12,15 +12,19 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from topq.core.errors import TopqError
 
+if TYPE_CHECKING:
+    from topq.core.quant import QuantizedWeight
+
 __all__ = [
     "Checkpoint",
     "CheckpointFormat",
+    "QuantizedWeightStore",
     "WeightStore",
     "load_tokenizer",
     "normalize_rope",
@@ -52,6 +56,15 @@ class WeightStore(Protocol):
 
     def get_raw(self, name: str) -> np.ndarray:
         """The stored array without conversion (read-only; GGUF quant blocks as uint8 rows)."""
+        ...
+
+
+@runtime_checkable
+class QuantizedWeightStore(WeightStore, Protocol):
+    """A WeightStore of an already-quantized checkpoint (GPTQ / AWQ / AutoRound / compressed-tensors, GGUF)."""
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """The checkpoint's own integers for a linear weight, unrequantized; None for a weight stored as float."""
         ...
 
 
@@ -102,7 +115,7 @@ def tokenizer_files_of(tokenizer: Any) -> dict[str, str]:
         tokenizer.save_pretrained(tmp)
         files: dict[str, str] = {}
         for path in sorted(Path(tmp).iterdir()):
-            if not path.is_file():
+            if not path.is_file() or path.suffix == ".py":  # code never travels in a bundle
                 continue
             try:
                 files[path.name] = path.read_text(encoding="utf-8")
@@ -117,6 +130,14 @@ def tokenizer_files_of(tokenizer: Any) -> dict[str, str]:
     return files
 
 
+def _has_auto_map(config_text: str) -> bool:
+    try:
+        doc = json.loads(config_text)
+    except ValueError:
+        return False  # not JSON: transformers reports it
+    return isinstance(doc, dict) and "auto_map" in doc
+
+
 def load_tokenizer(files: Mapping[str, str]) -> Any:
     """Rebuild a transformers tokenizer from `Checkpoint.tokenizer_files` (offline)."""
     if not files:
@@ -125,11 +146,14 @@ def load_tokenizer(files: Mapping[str, str]) -> Any:
 
     with tempfile.TemporaryDirectory(prefix="topq-tok-") as tmp:
         for name, text in files.items():
-            # Names may come from a bundle: refuse anything that would leave the temp dir.
+            # Names may come from a bundle: refuse anything that would leave the temp dir, and code.
             if not name or Path(name).name != name or name in (".", ".."):
                 raise TopqError(f"bad tokenizer file name {name!r}")
+            if name.endswith(".py") or (name == "tokenizer_config.json" and _has_auto_map(text)):
+                raise TopqError(f"the tokenizer carries code ({name}); topq never runs code from a checkpoint "
+                                "or bundle")
             (Path(tmp) / name).write_text(text, encoding="utf-8")
         try:
-            return AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+            return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         except Exception as exc:  # transformers raises many kinds; the user needs one line
             raise TopqError(f"cannot rebuild the tokenizer from {sorted(files)}: {exc}") from exc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -88,7 +89,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--top-k", default=0, type=click.IntRange(min=0))
 @click.option("--top-p", default=1.0, type=click.FloatRange(min=0.0, max=1.0, min_open=True))
 @click.option("--repetition-penalty", default=1.0, type=click.FloatRange(min=0.0, min_open=True))
-@click.option("--seed", type=int)
+@click.option("--seed", type=click.IntRange(min=0))
 @click.option("--logits-out", type=click.Path(dir_okay=False), help="Save float32 logits [steps, vocab] (.npy).")
 @click.option("--json", "as_json", is_flag=True)
 def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool, max_new_tokens: int,
@@ -100,6 +101,10 @@ def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool,
 
     if (prompt is None) == (prompt_ids is None):
         raise TopqError("give exactly one of --prompt and --prompt-ids")
+    if temperature is not None and not math.isfinite(temperature):
+        raise TopqError(f"--temperature must be a finite number, got {temperature}")
+    if logits_out and Path(bundle).exists() and Path(logits_out).resolve() == Path(bundle).resolve():
+        raise TopqError(f"--logits-out {logits_out} would overwrite the bundle")
     loaded = Bundle(bundle)
     session = Session(loaded)
     # Text prompts need the tokenizer; --prompt-ids uses it to show text when the bundle has one.
@@ -284,13 +289,12 @@ def ir() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 def ir_check(file: str) -> None:
     """Parse and verify FILE, then print it in canonical form (like mlir-opt)."""
-    import topq.raw  # noqa: F401  (registers the kernel IR ops and top.DSLRegion)
     from topq.ir.parser import parse_module
     from topq.core.plugins import get_plugins
     from topq.ir.printer import print_module
     from topq.ir.verifier import verify_module
 
-    get_plugins()  # target plugins register their dialects' ops
+    get_plugins()  # plugins register their ops: target dialects, raw kernels (IR extensions)
     try:
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -309,13 +313,25 @@ def plugins(as_json: bool) -> None:
 
     loaded = get_plugins()
     rows = [{"name": p.name, "source": p.source, "registered": p.registered} for p in loaded.info]
+    schemes = {s.name: [{"name": o.name, "type": o.spec.type, "default": o.spec.default, "doc": o.spec.help,
+                         "choices": list(o.spec.choices), "nullable": o.spec.nullable} for o in s.options]
+               for s in loaded.schemes}
     if as_json:
-        _emit_json({"plugins": rows})
+        _emit_json({"plugins": rows, "scheme_options": schemes})
         return
     for row in rows:
         click.echo(f"{row['name']}  ({row['source']})")
         for kind, names in row["registered"].items():
             click.echo(f"    {kind}: {', '.join(names)}")
+    click.echo("scheme options (quant.<name>):")
+    for scheme, options in schemes.items():
+        if options:
+            click.echo(f"    {scheme}: " + ", ".join(f"{o['name']} ({o['type']}, default {_yaml_value(o['default'])})"
+                                             for o in options))
+
+
+def _yaml_value(value: Any) -> str:
+    return json.dumps(value)  # null / true / 64 / "minmax": how a recipe would spell it
 
 
 def _interrupt_on_sigterm() -> None:

@@ -12,11 +12,14 @@ store (`ray.put`) and resolves it in the worker.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,6 +88,33 @@ class InlineExecutor:
         pass
 
 
+def _die_with_parent(parent: int) -> None:
+    """Pool worker start-up: the kernel kills this worker when the converting process dies, even by SIGKILL
+    (otherwise workers of a killed conversion live on, adopted by init, holding hundreds of MB each)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: workers still exit when their task queue closes
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    # The parent owns interruption: a worker ends quietly when the pool stops it (SIGTERM) and leaves Ctrl-C,
+    # which the terminal sends to the whole group, to the parent (the CLI's handlers are inherited by fork).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_WORKER_DIED = "a conversion worker process died (killed, or out of memory); the conversion stopped and wrote nothing"
+
+
+def _results(futures: list[Any]) -> Iterator[Any]:
+    try:
+        for future in futures:
+            yield future.result()
+    except BrokenProcessPool:
+        raise TopqError(_WORKER_DIED) from None
+
+
 class LocalExecutor:
     """A pool of worker processes. They fork from the parent, so state it prepared (the compiled program,
     the open checkpoint) is inherited instead of rebuilt."""
@@ -100,9 +130,13 @@ class LocalExecutor:
         if not tasks:
             return iter(())
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=multiprocessing.get_context("fork"))
-        futures = [self._pool.submit(fn, *task) for task in tasks]
-        return (f.result() for f in futures)
+            self._pool = ProcessPoolExecutor(max_workers=self.jobs, mp_context=multiprocessing.get_context("fork"),
+                                             initializer=_die_with_parent, initargs=(os.getpid(),))
+        try:
+            futures = [self._pool.submit(fn, *task) for task in tasks]
+        except BrokenProcessPool:
+            raise TopqError(_WORKER_DIED) from None
+        return _results(futures)
 
     def share(self, obj: Any) -> Any:
         key = uuid.uuid4().hex

@@ -1,7 +1,7 @@
 """The hooks a topq plugin implements. Each receives a `register` callback (the style of simonw/llm).
 
 A plugin is a module (or object) with functions decorated by `topq.hookimpl`; it registers built-in
-or third-party model families, checkpoint formats, quantization schemes and targets. Every hook is
+or third-party model families, checkpoint formats, quantization schemes, targets and IR extensions. Every hook is
 documented in docs/plugins.md (a test checks that).
 """
 
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from topq.core.family import ModelFamily
     from topq.core.quant import QuantScheme
     from topq.core.target import Target
+    from topq.ir.extension import IRExtension
 
 hookspec = pluggy.HookspecMarker("topq")
 hookimpl = pluggy.HookimplMarker("topq")
@@ -41,3 +42,9 @@ def register_quant_schemes(register: Callable[[QuantScheme], None]) -> None:
 @hookspec
 def register_targets(register: Callable[[Target], None]) -> None:
     """Register targets: a chip spec, its dialect and lowering, passes, bundle code, runtime and perf model."""
+
+
+@hookspec
+def register_ir_extensions(register: Callable[[IRExtension], None]) -> None:
+    """Register IR extensions: ops added to the catalogue, region kernels the reference interpreter runs them with,
+    and optionally the substitution that applies a recipe's `kernels:` section (topq.raw registers its own)."""

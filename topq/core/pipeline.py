@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import os
@@ -31,16 +30,17 @@ from topq.core.checkpoint import Checkpoint
 from topq.core.errors import TopqError
 from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
+# linear_weight_names is re-exported: callers import it from here
+from topq.ir.analysis import linear_weight_names
 from topq.ir.graph import Module
 from topq.core.plugins import Plugins, get_plugins
 from topq.ir.printer import print_function
-from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
+from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import resolve_group_size
-from topq.plugins.formats.quantized import to_signed_symmetric
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
-from topq.core.target import CompileJob
+from topq.core.target import CompileJob, Target
 from topq.ir.types import ELEMENT_TYPES
 from topq.ir.verifier import verify_module
 
@@ -85,46 +85,29 @@ def load_model(recipe: Recipe, plugins: Plugins | None = None) -> LoadedModel:
     checkpoint = open_checkpoint(plugins, recipe.model.path, recipe.model.format)
     family = find_family(plugins.families, checkpoint.config, recipe.model.family)
     spec = family.normalize(checkpoint.config)
+    # From here on the model's tensors are the family's logical ones (fused projections split, ...).
+    checkpoint = dataclasses.replace(checkpoint, weights=family.weights(spec, checkpoint.weights))
     stages = StageConfig.from_recipe(recipe.stages)
     shapes = {name: checkpoint.weights.shape(name) for name in checkpoint.weights.names()}
     try:
         module = build_program(spec, family, stages, shapes)
     except TopqError as exc:  # a missing or misshapen tensor: say which checkpoint
         raise TopqError(f"{checkpoint.path}: {exc}") from None
-    if recipe.kernels:
-        # Imported only when asked for: raw kernels are an optional layer on top of the core.
-        from topq.raw.substitute import apply_kernel_substitutions
-
-        apply_kernel_substitutions(module, [{"replace": k["replace"], "with": k["with"]} for k in recipe.kernels])
+    if recipe.kernels:  # raw kernels: applied by the IR extension that offers it (the raw plugin)
+        plugins.kernel_substitution()(module, [{"replace": k["replace"], "with": k["with"]} for k in recipe.kernels])
     verify_module(module)
     return LoadedModel(checkpoint, family, spec, module, rope_weights(spec, stages.seq_length))
-
-
-def linear_weight_names(module: Module) -> frozenset[str]:
-    """Weights used as the right operand of a matmul (the ones weight quantization applies to)."""
-    producers = {}
-    names = set()
-    for function in module:
-        for op in function.walk():
-            if op.name == "top.Weight":
-                producers[id(op.results[0])] = op.attrs["name"]
-            elif op.name == "top.MatMul":
-                name = producers.get(id(op.operands[1]))
-                if name:
-                    names.add(name)
-            elif op.name == "top.MLP":
-                names.update(producers[id(v)] for v in op.operands[1:] if id(v) in producers)
-    return frozenset(names)
 
 
 @dataclass(eq=False)
 class Quantizer:
     """Per weight: the quantized values a target should pack (None = keep it in the compute dtype), and their layout.
 
-    Linears follow the scheme (calibrated solvers first, then round-to-nearest, or the checkpoint's own values for
-    `auto`). The lm_head (or the tied embedding used as lm_head) follows `quant.lm_head`: a float mode keeps it
-    unquantized; a weight-only scheme name quantizes it with that scheme. Values are computed on demand and not
-    kept, so a target can stream weights one at a time; the layout (`spec`) is cheap and cached.
+    Linears follow the scheme (calibrated solvers first, then the checkpoint's own values for a scheme that reads
+    them (`QuantScheme.stored`, e.g. `auto`), then round-to-nearest). The lm_head (or the tied embedding used as
+    lm_head) follows `quant.lm_head`: a float mode keeps it unquantized; a weight-only scheme name quantizes it with
+    that scheme. Values are computed on demand and not kept, so a target can stream weights one at a time; the
+    layout (`spec`) is cheap and cached.
     """
 
     model: LoadedModel
@@ -149,10 +132,8 @@ class Quantizer:
             return None
         if scheme is self.scheme and name in self.precomputed:
             return self.precomputed[name]
-        if scheme is self.scheme and scheme.name == "auto":
-            from_checkpoint = getattr(self.model.checkpoint.weights, "quantized", None)
-            q = from_checkpoint(name) if from_checkpoint is not None else None
-            return signed_if_offset_symmetric(q) if q is not None else None
+        if scheme is self.scheme and scheme.stored is not None:
+            return scheme.stored(self.model.checkpoint.weights, name)
         if scheme.quantize is not None:
             return scheme.quantize(self.model.weight(name), self.options)
         return None
@@ -167,22 +148,13 @@ class Quantizer:
         scheme = self._scheme_for(name)
         if scheme is None:
             return None
-        if scheme.quantize is not None and scheme.weight_bits and name not in self.precomputed:
+        bits = scheme.produces(self.options).weight_bits
+        if scheme.quantize is not None and len(bits) == 1 and name not in self.precomputed:
             n, k = self.model.checkpoint.weights.shape(name)
             group_size = resolve_group_size(self.options.get("group_size", 64), k, name)
-            return QuantSpec((n, k), scheme.weight_bits, group_size, bool(self.options.get("symmetric", False)))
+            return QuantSpec((n, k), bits[0], group_size, bool(self.options.get("symmetric", False)))
         q = self.values(name)
         return q.spec if q is not None else None
-
-
-def signed_if_offset_symmetric(q: QuantizedWeight) -> QuantizedWeight:
-    """Imported symmetric weights carry unsigned codes with zeros 2^(bits-1); topq's symmetric form is signed codes
-    with zeros 0 (the same values). A "symmetric" weight whose zeros differ is kept exactly as asymmetric."""
-    if not q.symmetric or not np.any(q.zeros):
-        return q
-    if np.all(np.asarray(q.zeros) == 1 << (q.bits - 1)):
-        return to_signed_symmetric(q)
-    return dataclasses.replace(q, symmetric=False)
 
 
 def _takes_executor(fn: Callable[..., Any]) -> bool:
@@ -240,11 +212,13 @@ def dump_ir(directory: Path, dialect: str, module_text: str | Module) -> None:
         (out / f"{function.name}.mlir").write_text(print_function(function))
 
 
-def _check_target_scheme(target: Any, scheme: QuantScheme) -> None:
-    if target.schemes and scheme.name not in target.schemes:
-        raise TopqError(f"target {target.name} cannot run scheme {scheme.name}; it runs: {', '.join(target.schemes)}")
-    if not target.schemes and not scheme.is_float and target.name != "host":
-        raise TopqError(f"target {target.name} runs only float schemes")
+def check_target_product(target: Target, product: SchemeProduct, lm_head: SchemeProduct) -> None:
+    """Refuse, before any work, what the target cannot store: the scheme's product, and the weight bits of the
+    lm_head's scheme (`quant.lm_head`), which computes in the model's dtype."""
+    for what in (product, SchemeProduct(product.compute_dtype, lm_head.weight_bits)):
+        problem = target.refuses(what)
+        if problem is not None:
+            raise TopqError(f"target {target.name} cannot run {problem}")
 
 
 def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor | None = None,
@@ -256,21 +230,23 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor
     plugins = get_plugins()
     scheme = plugins.schemes.get(recipe.quant.scheme)
     target = plugins.targets.get(recipe.target.chip)
-    _check_target_scheme(target, scheme)
+    options = recipe.to_dict()["quant"]
+    product = scheme.produces(options)
+    check_target_product(target, product, plugins.schemes.get(recipe.quant.lm_head).produces(options))
     model = load_model(recipe, plugins)
     dequantized = model.checkpoint.config.get("topq_gguf_dequantized")
-    if scheme.name == "auto" and dequantized:
+    if scheme.stored is not None and dequantized:
         kinds = ", ".join(f"{n} × {t}" for t, n in sorted(dequantized.items()))
         print(f"warning: GGUF tensor types without an exact integer form were dequantized and are kept in "
-              f"{scheme.compute_dtype}: {kinds}", file=sys.stderr)
+              f"{product.compute_dtype}: {kinds}", file=sys.stderr)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), "top", model.module)
     linear_names = linear_weight_names(model.module)
     quantizer = make_quantizer(model, recipe, plugins, linear_names, executor, calibration_file)
     job = CompileJob(module=model.module, spec=model.spec, weights=model.weight, scheme=scheme,
-                     weight_in=model.weight_in, quant_options=recipe.to_dict()["quant"], recipe=recipe.to_dict(),
+                     weight_in=model.weight_in, quant_options=options, recipe=recipe.to_dict(),
                      linear_weights=linear_names,
-                     quantized=quantizer.values, quant_spec=quantizer.spec)
+                     quantized=quantizer.values, quant_spec=quantizer.spec, product=product)
     compiled = target.compile(job)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), target.name, compiled.program)

@@ -1,4 +1,4 @@
-"""The plugin manager and the four registries it fills.
+"""The plugin manager and the registries it fills.
 
 Built-in plugins load from an explicit list; third-party plugins load from the `topq` entry-point
 group. `TOPQ_LOAD_PLUGINS` (comma-separated entry-point or distribution names; empty for none)
@@ -18,6 +18,9 @@ import pluggy
 
 from topq.core import hookspecs
 from topq.core.errors import TopqError, UnknownNameError
+from topq.core.quant import merge_options
+from topq.core.recipe import CORE_SCHEMA, Schema, recipe_schema
+from topq.ir.extension import IRExtension, KernelSubstitution, install_extension
 
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.formats.hf",
@@ -34,6 +37,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.quant.int8",
     "topq.plugins.targets.host",
     "topq.plugins.targets.bm1684x",
+    "topq.raw.plugin",
 )
 
 #: hook name → registry kind
@@ -42,6 +46,7 @@ HOOKS: dict[str, str] = {
     "register_checkpoint_formats": "checkpoint format",
     "register_quant_schemes": "quant scheme",
     "register_targets": "target",
+    "register_ir_extensions": "IR extension",
 }
 
 T = TypeVar("T")
@@ -95,6 +100,9 @@ class Plugins:
     schemes: Registry[Any]
     targets: Registry[Any]
     info: list[PluginInfo]
+    #: the recipe schema: the core's keys plus every loaded scheme's options
+    recipe_schema: Schema = field(default_factory=lambda: dict(CORE_SCHEMA))
+    ir_extensions: Registry[IRExtension] = field(default_factory=lambda: Registry("IR extension"))
 
     def registry(self, hook: str) -> Registry[Any]:
         return {
@@ -102,7 +110,19 @@ class Plugins:
             "register_checkpoint_formats": self.formats,
             "register_quant_schemes": self.schemes,
             "register_targets": self.targets,
+            "register_ir_extensions": self.ir_extensions,
         }[hook]
+
+    def kernel_substitution(self) -> KernelSubstitution:
+        """What applies a recipe's `kernels:` section: the one registered IR extension that offers it."""
+        offers = [e for e in self.ir_extensions if e.substitute_kernels is not None]
+        if len(offers) != 1:
+            found = ", ".join(e.name for e in offers) or "none"
+            raise TopqError(f"recipe kernels need exactly one IR extension that substitutes kernels (the raw "
+                            f"plugin); found: {found}")
+        substitute = offers[0].substitute_kernels
+        assert substitute is not None
+        return substitute
 
 
 def _third_party_entry_points() -> list[tuple[metadata.EntryPoint, metadata.Distribution | None]]:
@@ -150,6 +170,10 @@ def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
                 info[owner].registered.setdefault(kind, []).append(item.name)
 
             impl.function(register=register)
+    # Two schemes declaring one option differently stop here, when plugins load, not when a recipe is read.
+    plugins.recipe_schema = recipe_schema((o.name, o.spec) for o in merge_options(plugins.schemes))
+    for extension in plugins.ir_extensions:  # their ops and kernels are needed from here on
+        install_extension(extension)
     return plugins
 
 

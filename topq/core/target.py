@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from topq.core.bundle import Bundle
     from topq.core.family import ModelSpec
     from topq.ir.graph import Module
-    from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec
+    from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct
     from topq.ir.types import round_to_dtype
 
 
@@ -37,8 +37,13 @@ class CompileJob:
     quantized: Callable[[str], QuantizedWeight | None] = lambda name: None
     #: the layout of `quantized(name)` without computing it (lowering and memory planning need only this)
     quant_spec: Callable[[str], QuantSpec | None] = lambda name: None
+    #: what the scheme produces with these options (compute dtype, weight bits, int8 activations); default:
+    #: `scheme.produces(quant_options)`
+    product: SchemeProduct | None = None
 
     def __post_init__(self) -> None:
+        if self.product is None:
+            self.product = self.scheme.produces(self.quant_options)
         if self.weight_in is None:
             from topq.ir.types import round_to_dtype
             from topq.ir.types import ELEMENT_TYPES
@@ -69,13 +74,30 @@ class Executor(Protocol):
     def run(self, name: str, inputs: list[np.ndarray]) -> list[np.ndarray]: ...
 
 
+def float_only(product: SchemeProduct) -> str | None:
+    """The default `Target.refuses`: float weights and float activations only."""
+    if product.weight_bits:
+        return f"{'/'.join(map(str, product.weight_bits))}-bit quantized weights"
+    if product.int8_activations:
+        return "int8 activations"
+    return None
+
+
+def runs_everything(product: SchemeProduct) -> None:
+    """`Target.refuses` of a target that stores whatever a scheme produces (the host)."""
+
+
 @dataclass(frozen=True)
 class Target:
-    """What a target plugin registers."""
+    """What a target plugin registers.
+
+    `refuses(product)` says why the target cannot store what a scheme produces (a short phrase naming it, e.g.
+    "3-bit quantized weights"), or None when it can; the pipeline asks before converting. Targets choose by the
+    product, never by the scheme's name, so a third-party scheme runs wherever its values fit."""
 
     name: str
     description: str
     compile: Callable[[CompileJob], CompiledModel]
     open: Callable[[Bundle], Executor]
-    schemes: tuple[str, ...] = ()  # quant schemes it can run; empty = all float schemes only
+    refuses: Callable[[SchemeProduct], str | None] = float_only
     perf: Callable[..., Any] | None = None

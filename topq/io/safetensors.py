@@ -7,6 +7,8 @@ into place, so a failed or interrupted write never leaves a half-written file at
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
 import json
 import math
@@ -174,6 +176,21 @@ def _code_of(dtype: np.dtype) -> str:
         raise TopqError(f"cannot store dtype {dtype} in safetensors") from None
 
 
+def _remove_stale_temp_files(path: Path) -> None:
+    """Temp files of earlier writes of `path` whose writer process is gone (killed before it could clean up).
+    Their names carry the writer's pid; a live writer's file (e.g. a concurrent conversion) is left alone."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*-*.tmp"):
+        pid_text = tmp.name[len(path.name) + 2:].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except (PermissionError, OverflowError):
+            pass  # another user's live process, or no such pid at all on this system: leave it
+
+
 @dataclass(frozen=True)
 class FileSlice:
     """Bytes of another file, copied in chunks (a cached tensor goes into a bundle without being loaded)."""
@@ -213,7 +230,8 @@ class SafetensorsWriter:
         first = self._header(metadata)
         self._header_len = len(first) + ((-(8 + len(first))) % DATA_ALIGN)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        _remove_stale_temp_files(self.path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.{os.getpid()}-", suffix=".tmp", dir=self.path.parent)
         self.tmp = Path(tmp)
         self._fh = os.fdopen(fd, "wb")
         self._next = 0
@@ -248,9 +266,8 @@ class SafetensorsWriter:
         if isinstance(data, FileSlice):
             if data.length != self._entries[name]["data_offsets"][1] - self._entries[name]["data_offsets"][0]:  # type: ignore[index]
                 raise TopqError(f"{self.path}: tensor {name} has the wrong size")
-            if data.sha256 is not None and hasattr(os, "copy_file_range"):
-                self._copy_in_kernel(data, name)  # digest known: the bytes need not pass through Python
-                return data.sha256
+            if data.sha256 is not None and hasattr(os, "copy_file_range") and self._copy_in_kernel(data, name):
+                return data.sha256  # digest known: the bytes need not pass through Python
             with open(data.path, "rb") as src:
                 src.seek(data.offset)
                 left = data.length
@@ -273,17 +290,28 @@ class SafetensorsWriter:
             self._fh.write(raw.data)
         return digest.hexdigest()
 
-    def _copy_in_kernel(self, data: FileSlice, name: str) -> None:
+    def _copy_in_kernel(self, data: FileSlice, name: str) -> bool:
+        """Copy without reading the bytes into Python; False (nothing written) where the kernel cannot, e.g. from
+        the build cache into an output on another file system (EXDEV): the caller copies through user space."""
         self._fh.flush()
+        start = self._fh.tell()
         with open(data.path, "rb") as src:
             offset, left = data.offset, data.length
             while left:
-                done = os.copy_file_range(src.fileno(), self._fh.fileno(), left, offset)
+                try:
+                    done = os.copy_file_range(src.fileno(), self._fh.fileno(), left, offset)
+                except OSError as exc:
+                    if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    self._fh.seek(start)
+                    self._fh.truncate()
+                    return False
                 if done <= 0:
                     raise TopqError(f"{data.path}: ended early while copying {name}")
                 offset += done
                 left -= done
         self._fh.seek(0, os.SEEK_END)
+        return True
 
     def finish(self, metadata: dict[str, str]) -> None:
         try:

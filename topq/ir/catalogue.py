@@ -1,8 +1,13 @@
 """The op catalogue: every op the verifier accepts, declared as data.
 
-An `OpDef` gives operand and result arity, attributes (kind, default, allowed values) and a shape
-inference function. Dialects (Top here, target dialects in their plugins) add their ops with
+An `OpDef` gives operand and result arity, attributes (kind, default, allowed values), a shape
+inference function and the op's `Traits` (what graph analyses need to know about it: which operands
+are weights and linears, whether it is elementwise or a view, which norm parameters can absorb a
+per-channel scale). Dialects (Top here, target dialects in their plugins) add their ops with
 `register_op`; the builder fills defaults and infers result types from the same table.
+
+Analyses ask traits, never op names, so one rule covers a class of ops (like tinygrad's op groups):
+a new fused op that declares its linears is quantized, calibrated and counted without other edits.
 """
 
 from __future__ import annotations
@@ -50,6 +55,55 @@ class AttrSpec:
         return None
 
 
+@dataclass(frozen=True)
+class Linear:
+    """One linear map y = x Wᵀ inside an op: which operand is W and which is x.
+
+    `input` None means x is computed inside the op (top.MLP's down projection reads act(x W_gᵀ)·(x W_uᵀ));
+    `scales_input` is then the operand whose output rows scale x channel by channel (up: the hidden
+    activation is linear in it), so a per-channel scale of x can be folded into that weight's rows.
+    `layout_attr` names the bool attribute that says W is stored [N, K] (Hugging Face Linear layout);
+    None means it always is."""
+
+    weight: int
+    input: int | None = 0
+    role: str = ""
+    layout_attr: str | None = None
+    scales_input: int | None = None
+    bias: int | None = None  # the operand holding its bias, when present
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What graph analyses know about an op, as data (see the module doc).
+
+    * `named_weight`: the op's result is a named tensor of the weight store (`attrs["name"]`).
+    * `weights`: operands that are parameters (named weights in every program topq builds).
+    * `linears`: the linear maps whose weights weight quantization applies to.
+    * `elementwise`: results are computed element by element (operands broadcast).
+    * `view`: the result holds the operand's elements reorganised or selected, none computed;
+      `keeps_order`: and in the same order (a reshape), so channel c of the flat data stays channel c.
+    * `norm_scale` / `norm_bias`: a normalization whose per-channel scale (and bias) operand can absorb a
+      per-channel factor of its output (divide them by s and the output is divided by s).
+    * `mixes_heads_of`: the output channel (head h, dim d) is a weighted sum over positions of this operand's
+      channel (h // (q_head / kv_head), d): attention with grouped KV heads, so a per-channel factor of that
+      operand reaches the output unchanged (o_proj's input can be scaled in v_proj's rows). The op has
+      `q_head` / `kv_head` attributes.
+    """
+
+    named_weight: bool = False
+    weights: tuple[int, ...] = ()
+    linears: tuple[Linear, ...] = ()
+    elementwise: bool = False
+    view: bool = False
+    keeps_order: bool = False
+    norm_scale: int | None = None
+    norm_bias: int | None = None
+    mixes_heads_of: int | None = None
+
+
+NO_TRAITS = Traits()
+
 #: (operand types, attrs with defaults filled) → result types; None means "no inference, trust the IR".
 InferFn = Callable[[Sequence[Type], dict[str, Any]], list[Type] | None]
 
@@ -63,6 +117,7 @@ class OpDef:
     infer: InferFn | None = None
     regions: int = 0
     doc: str = ""
+    traits: Traits | None = None  # None: not declared (ops no analysis looks into, e.g. a target's dialect)
 
     def with_defaults(self, attrs: dict[str, Any]) -> dict[str, Any]:
         filled = dict(attrs)
@@ -79,6 +134,12 @@ class OpDef:
 
 
 CATALOGUE: dict[str, OpDef] = {}
+
+
+def traits_of(name: str) -> Traits:
+    """The traits of op `name` (none for an op that declares none or is unknown)."""
+    opdef = CATALOGUE.get(name)
+    return opdef.traits if opdef is not None and opdef.traits is not None else NO_TRAITS
 
 
 def register_op(opdef: OpDef) -> OpDef:
@@ -104,7 +165,22 @@ def define(
     infer: InferFn | None = None,
     regions: int = 0,
     doc: str = "",
+    traits: Traits | None = None,
 ) -> OpDef:
-    """Declare an op (`operands` is an exact count or a (min, max) range)."""
+    """Declare and register an op (`operands` is an exact count or a (min, max) range)."""
+    return register_op(op_def(name, operands, results, attrs, infer, regions, doc, traits))
+
+
+def op_def(
+    name: str,
+    operands: int | tuple[int, int | None],
+    results: int | None = 1,
+    attrs: dict[str, AttrSpec] | None = None,
+    infer: InferFn | None = None,
+    regions: int = 0,
+    doc: str = "",
+    traits: Traits | None = None,
+) -> OpDef:
+    """An op definition, not registered (a dialect that registers through a plugin hook builds its table so)."""
     arity = (operands, operands) if isinstance(operands, int) else operands
-    return register_op(OpDef(name, arity, results, attrs or {}, infer, regions, doc))
+    return OpDef(name, arity, results, attrs or {}, infer, regions, doc, traits)

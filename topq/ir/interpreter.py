@@ -2,8 +2,15 @@
 
 It is the semantic definition of Top IR and the `host` target. Like torch.fx's Interpreter it is
 meant to be subclassed: override `kernels` (a table op name → kernel) or `run_op` to execute another
-dialect, or `load_weight` to read weights from another store. Each function is compiled once into a
-flat plan of (kernel, operand slots, result slots, attributes) so the hot loop does no lookups.
+dialect or to change what an op computes, or `load_weight` to read weights from another store. Each
+function is compiled once into a flat plan of (kernel, operand slots, result slots, attributes) so the
+hot loop does no lookups.
+
+To *observe* execution without changing it (calibration statistics, activation observers, error
+reports), pass a `tap`: `run` calls `tap(step, inputs, outputs)` after every op of the plan (every op
+but `top.Weight`, whose values are the plan's constants), with the op's operand values and its results.
+A tap must not modify them. It may raise to stop the run early (calibration stops once it has seen the
+input it wants). `Interpreter.tap` is an attribute, so one interpreter can be re-tapped between runs.
 """
 
 from __future__ import annotations
@@ -44,12 +51,17 @@ class Plan:
     steps: list[Step]
 
 
+#: An observer of execution (see the module doc): (step, operand values, results) → None.
+Tap = Callable[["Step", list[np.ndarray], list[np.ndarray]], None]
+
+
 class Interpreter:
     kernels: Mapping[str, Kernel] = REFERENCE_OPS
 
-    def __init__(self, module: Module, weights: WeightLoader) -> None:
+    def __init__(self, module: Module, weights: WeightLoader, tap: Tap | None = None) -> None:
         self.module = module
         self.weights = weights
+        self.tap = tap
         self._plans: dict[str, Plan] = {}
         self._weight_cache: dict[str, np.ndarray] = {}
 
@@ -113,8 +125,12 @@ class Interpreter:
             env[s] = value
         for s, value in plan.constants.items():
             env[s] = value
+        tap = self.tap
         for step in plan.steps:
-            outs = self.run_op(step, [env[i] for i in step.operands])
+            args = [env[i] for i in step.operands]
+            outs = self.run_op(step, args)
+            if tap is not None:
+                tap(step, args, outs)
             for s, value in zip(step.results, outs):
                 env[s] = value
         return [env[s] for s in plan.outputs]

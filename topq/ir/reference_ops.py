@@ -28,6 +28,8 @@ __all__ = [
     "erf",
     "erfc",
     "gelu",
+    "mlp_activation",
+    "mlp_hidden",
     "rope_tables",
     "silu",
     "softmax",
@@ -189,6 +191,16 @@ def mlp_activation(name: str, x: np.ndarray) -> np.ndarray:
     if name == "gelu_tanh":
         return gelu(x, "tanh")
     raise TopqError(f"MLP: act must be one of {', '.join(MLP_ACTS)}, got {name!r}")
+
+
+def mlp_hidden(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray,
+               act: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What observers of a `top.MLP` see inside it, on x flattened to [tokens, H]: the gate and up projections
+    and the down projection's input act(x W_gᵀ) · (x W_uᵀ) [tokens, I] (the one place taps compute it)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    gate = x2 @ w_gate.T
+    up = x2 @ w_up.T
+    return gate, up, mlp_activation(act, gate) * up
 
 
 # --------------------------------------------------------------------------- RoPE

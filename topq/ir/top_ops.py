@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from topq.ir.catalogue import AttrSpec, InferError, define
+from topq.ir.catalogue import AttrSpec, InferError, Linear, Traits, define
 from topq.ir.types import TensorType, Type
 
 A = AttrSpec
@@ -177,36 +177,52 @@ def _matmul_int8(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     return _matmul([x, codes, *bias], {"right_transpose": True})
 
 
-define("top.Input", 1, infer=_same, doc="marks a function input")
-define("top.Weight", 0, attrs={"name": A("str")}, doc="a named tensor of the weight store (type given by the IR)")
-define("top.Gather", 2, attrs={"axis": A("int", 0)}, infer=_gather)
-define("top.RMSNorm", (1, 2), attrs={"eps": A("float", 1e-6)}, infer=_norm)
-define("top.LayerNorm", (1, 3), attrs={"eps": A("float", 1e-5)}, infer=_norm)
-define("top.MatMul", (2, 3), attrs={"right_transpose": A("bool", False)}, infer=_matmul)
-define("top.Add", 2, infer=_elementwise)
-define("top.Mul", 2, infer=_elementwise)
-define("top.MulConst", 1, attrs={"const_val": A("float")}, infer=_same)
-define("top.Reshape", 1, attrs={"shape": A("ints")}, infer=_reshape)
-define("top.Permute", 1, attrs={"order": A("ints")}, infer=_permute)
-define("top.Concat", (1, None), attrs={"axis": A("int")}, infer=_concat)
-define("top.Slice", 1, attrs={"offset": A("ints"), "ends": A("ints"), "steps": A("ints")}, infer=_slice)
+#: traits shared by classes of ops (catalogue.Traits documents each field)
+ELEMENTWISE = Traits(elementwise=True)
+VIEW = Traits(view=True)
+PLAIN = Traits()
+
+define("top.Input", 1, infer=_same, doc="marks a function input", traits=PLAIN)
+define("top.Weight", 0, attrs={"name": A("str")}, doc="a named tensor of the weight store (type given by the IR)",
+       traits=Traits(named_weight=True))
+# Gather selects rows by run-time indices: not a view of a weight for analyses (an embedding is no linear).
+define("top.Gather", 2, attrs={"axis": A("int", 0)}, infer=_gather, traits=Traits(weights=(0,)))
+define("top.RMSNorm", (1, 2), attrs={"eps": A("float", 1e-6)}, infer=_norm,
+       traits=Traits(weights=(1,), norm_scale=1))
+define("top.LayerNorm", (1, 3), attrs={"eps": A("float", 1e-5)}, infer=_norm,
+       traits=Traits(weights=(1, 2), norm_scale=1, norm_bias=2))
+define("top.MatMul", (2, 3), attrs={"right_transpose": A("bool", False)}, infer=_matmul,
+       traits=Traits(weights=(1, 2), linears=(Linear(1, 0, layout_attr="right_transpose", bias=2),)))
+define("top.Add", 2, infer=_elementwise, traits=ELEMENTWISE)
+define("top.Mul", 2, infer=_elementwise, traits=ELEMENTWISE)
+define("top.MulConst", 1, attrs={"const_val": A("float")}, infer=_same, traits=ELEMENTWISE)
+define("top.Reshape", 1, attrs={"shape": A("ints")}, infer=_reshape, traits=Traits(view=True, keeps_order=True))
+define("top.Permute", 1, attrs={"order": A("ints")}, infer=_permute, traits=VIEW)
+define("top.Concat", (1, None), attrs={"axis": A("int")}, infer=_concat, traits=VIEW)
+define("top.Slice", 1, attrs={"offset": A("ints"), "ends": A("ints"), "steps": A("ints")}, infer=_slice,
+       traits=VIEW)
 define("top.Rope", 3, attrs={"mode": A("str", "contiguous_halves", ("contiguous_halves", "interleaved_pairs"))},
-       infer=_rope)
+       infer=_rope, traits=PLAIN)
 define("top.FAttention", (3, 4),
        attrs={"q_head": A("int"), "kv_head": A("int"), "scale": A("float"), "causal": A("bool", True)},
-       infer=_fattention)
-define("top.MLP", 4, attrs={"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))}, infer=_mlp)
-define("top.SiLU", 1, infer=_same)
-define("top.GELU", 1, attrs={"approximate": A("str", "none", ("none", "tanh"))}, infer=_same)
-define("top.Softmax", 1, attrs={"axis": A("int", -1)}, infer=_same)
+       infer=_fattention, traits=Traits(mixes_heads_of=2))
+define("top.MLP", 4, attrs={"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))}, infer=_mlp,
+       traits=Traits(weights=(1, 2, 3), linears=(Linear(1, 0, "gate"), Linear(2, 0, "up"),
+                                                 Linear(3, None, "down", scales_input=2))))
+define("top.SiLU", 1, infer=_same, traits=ELEMENTWISE)
+define("top.GELU", 1, attrs={"approximate": A("str", "none", ("none", "tanh"))}, infer=_same, traits=ELEMENTWISE)
+define("top.Softmax", 1, attrs={"axis": A("int", -1)}, infer=_same, traits=PLAIN)
 define("top.TopK", 1, results=2, attrs={"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)},
-       infer=_topk)
+       infer=_topk, traits=PLAIN)
 # W8A8 linear (the `int8` scheme): x quantized per tensor (act_scale) or per row (dynamic), int8 codes [N, K] held
-# as integers in a float tensor, per-channel w_scale [N]; see topq/core/int8_math.py for the exact arithmetic.
+# as integers in a float tensor, per-channel w_scale [N]; see topq/ir/int8.py for the exact arithmetic.
 # Static with out_scale > 0: the int32 accumulator (+ bias quantized to it) is requantized to int8 output codes by
 # a per-channel integer multiplier and right shift (r = act_scale · w_scale[n] / out_scale), y = code · out_scale.
 # dynamic or out_scale == 0: float dequantization (per-token scales are run-time values: no static multiplier).
 define("top.MatMulInt8", (3, 4), attrs={"act_scale": A("float", 0.0), "dynamic": A("bool", False),
                                         "out_scale": A("float", 0.0)},
-       infer=_matmul_int8, doc="y = (q(x) codesᵀ) * (scale_x * w_scale) [+ bias], or requantized by M·2^-s to "
-                               "int8 codes times out_scale (static, out_scale > 0)")
+       infer=_matmul_int8,
+       # Already quantized: its weights are no site for weight quantization (no `linears`).
+       traits=Traits(weights=(1, 2, 3)),
+       doc="y = (q(x) codesᵀ) * (scale_x * w_scale) [+ bias], or requantized by M·2^-s to "
+           "int8 codes times out_scale (static, out_scale > 0)")

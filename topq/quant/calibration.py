@@ -24,7 +24,6 @@ Solvers live in the scheme plugins; they read weights and publish results throug
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -39,10 +38,10 @@ from tqdm import tqdm
 
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
-from topq.core.family import ModelSpec
+from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.graph import Function, Module, Operation, Value
-from topq.core.quant import QuantizedWeight, QuantScheme
+from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
@@ -50,9 +49,12 @@ from topq.quant.grid import (
     quantize_groups,
     resolve_group_size,
 )
-from topq.ir.reference_ops import mlp_activation
+from topq.ir.reference_ops import mlp_hidden
+from topq.quant.options import ACT_DTYPE, WEIGHT_OPTIONS, act_dtype
+from topq.quant.program import ProgramSource, calibration_program, program_source
+from topq.quant.sites import INPUT, FoldTarget, group_sites
 from topq.io.safetensors import SafetensorsFile, write_safetensors
-from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.core.stages import rope_weights
 
 if TYPE_CHECKING:
     from topq.core.pipeline import LoadedModel
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CalibrationResult", "FoldTarget", "GroupInputs", "InputStats", "LayerState", "calibration_scheme",
     "calibration_windows", "load_calibration", "quantization_report", "read_token_stream", "run_calibration",
-    "sample_windows", "save_calibration", "scheme_options",
+    "sample_windows", "save_calibration", "weight_options",
 ]
 
 # ================================================================================ calibration data
@@ -419,23 +421,6 @@ class LayerState:
 # ================================================================================ the graph side
 
 
-@dataclass(frozen=True)
-class FoldTarget:
-    """Where a per-input-channel scale s of a group can be undone (AWQ: x/s happens in the producer of x).
-
-    kind "norm": the group's input is RMSNorm(x)·w (or LayerNorm): divide `weight` (and `bias`) by s.
-    kind "rows": the input channels are output rows of a linear (`weight` [R, ·], `bias`): divide rows by s_r.
-    `tie` maps the group's K input channels to the R producer channels when several inputs share one producer
-    channel (grouped-query attention: every query head of a group reads the same value head); s must then be
-    equal across tied channels, s = s_r[tie]. None means one-to-one.
-    """
-
-    kind: str
-    weight: str
-    bias: str | None = None
-    tie: np.ndarray | None = None
-
-
 @dataclass
 class GroupInputs:
     """One quant group of one layer as a solver sees it."""
@@ -452,119 +437,30 @@ class _GroupPlan:
     keys: tuple[str, ...]
     names: tuple[str, ...]
     op: Operation  # the op whose input is captured
-    kind: str  # "input": operand 0; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside a top.MLP
+    kind: str  # "input": operand `operand`; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside a top.MLP
     k: int
     fold: FoldTarget | None = None
-
-
-def _weight_name(value: Value) -> str | None:
-    owner = value.owner
-    if isinstance(owner, Operation) and owner.name == "top.Weight":
-        return str(owner.attrs["name"])
-    return None
-
-
-def _consumers(function: Function) -> dict[int, list[Operation]]:
-    users: dict[int, list[Operation]] = {}
-    for op in function.ops:
-        for v in op.operands:
-            users.setdefault(id(v), []).append(op)
-    for v in function.results:
-        users.setdefault(id(v), []).append(None)  # type: ignore[arg-type]  # a function output
-    return users
+    operand: int = 0
 
 
 def _find_groups(function: Function, family: Any, spec: Any, layer: int) -> list[_GroupPlan]:
     """The quant groups of one block function, in execution order, with what to capture and where to fold."""
-    uses: dict[str, tuple[Operation, str]] = {}  # weight name → (op, role)
-    for op in function.ops:
-        if op.name == "top.MatMul":
-            name = _weight_name(op.operands[1])
-            if name:
-                uses[name] = (op, "matmul")
-        elif op.name == "top.MLP":
-            for role, v in zip(("gate", "up", "down"), op.operands[1:4]):
-                name = _weight_name(v)
-                if name:
-                    uses[name] = (op, role)
     key_of = {template.format(i=layer): key for key, template in family.layer_weights.items()}
-    groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in uses if n in key_of]
+    linears = list(dict.fromkeys(use.weight for use in linear_uses(function)))  # in order of first use
+    groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in linears if n in key_of]
     covered = {k for g in groups for k in g}
-    groups += [(key_of[n],) for n in uses if n in key_of and key_of[n] not in covered]
-    users = _consumers(function)
-    order = {id(op): i for i, op in enumerate(function.ops)}
-    plans = []
-    for keys in groups:
-        names = tuple(family.layer_weights[key].format(i=layer) for key in keys)
-        missing = [n for n in names if n not in uses]
-        if missing:
-            raise TopqError(f"quant group {'/'.join(keys)}: {missing[0]} is not a linear of block_{layer}")
-        roles = {uses[n][1] for n in names}
-        ops = {id(uses[n][0]): uses[n][0] for n in names}
-        if roles == {"down"}:
-            op = uses[names[0]][0]
-            plans.append(_GroupPlan(keys, names, op, "mlp_hidden", op.operands[3].shape[-1],
-                                    FoldTarget("rows", _weight_name(op.operands[2]) or "")))
-            continue
-        inputs = {id(op.operands[0]) for op in ops.values()}
-        if len(inputs) != 1 or not roles <= {"matmul", "gate", "up"}:
-            raise TopqError(f"quant group {'/'.join(keys)} of block_{layer} does not share one input")
-        first = min(ops.values(), key=lambda o: order[id(o)])
-        x = first.operands[0]
-        plans.append(_GroupPlan(keys, names, first, "input", x.shape[-1],
-                                _fold_target(x, set(ops), users, spec)))
-    plans.sort(key=lambda p: order[id(p.op)] + (0.5 if p.kind == "mlp_hidden" else 0))
-    return plans
-
-
-def _fold_target(x: Value, group_ops: set[int], users: Mapping[int, list[Operation]], spec: Any) -> FoldTarget | None:
-    """Where x's producer can absorb a per-channel 1/s, if anywhere (x must feed only this group)."""
-    if any(u is None or id(u) not in group_ops for u in users.get(id(x), [])):
-        return None
-    producer = x.owner
-    if not isinstance(producer, Operation):
-        return None
-    if producer.name == "top.RMSNorm" and len(producer.operands) == 2:
-        weight = _weight_name(producer.operands[1])
-        return FoldTarget("norm", weight) if weight else None
-    if producer.name == "top.LayerNorm" and len(producer.operands) == 3:
-        weight, bias = _weight_name(producer.operands[1]), _weight_name(producer.operands[2])
-        return FoldTarget("norm", weight, bias) if weight and bias else None
-    if producer.name == "top.FAttention" and len(producer.operands) == 3:
-        # o_proj's input channel (head h, dim d) is a weighted sum of value channel (h // group, d): scaling value
-        # row r by 1/s_r scales it exactly. Only when v comes straight from a linear (reshaped to heads).
-        v = producer.operands[2]
-        reshape = v.owner
-        if not (isinstance(reshape, Operation) and reshape.name == "top.Reshape"):
-            return None
-        # v is also a block output (the KV cache): scaled values there are fine, because every stage reads the
-        # cache through the same scaled v_proj / o_proj pair.
-        if any(u is not producer and u is not None for u in users.get(id(v), [])) \
-                or len(users.get(id(reshape.operands[0]), [])) != 1:
-            return None
-        linear = reshape.operands[0].owner
-        if not (isinstance(linear, Operation) and linear.name == "top.MatMul"
-                and linear.attrs.get("right_transpose")):
-            return None
-        weight = _weight_name(linear.operands[1])
-        bias = _weight_name(linear.operands[2]) if len(linear.operands) > 2 else None
-        if weight is None:
-            return None
-        q_head, kv_head = int(producer.attrs["q_head"]), int(producer.attrs["kv_head"])
-        d = v.shape[-1]
-        channel = np.arange(q_head * d)
-        tie = (channel // d) // (q_head // kv_head) * d + channel % d
-        return FoldTarget("rows", weight, bias, tie)
-    return None
+    groups += [(key_of[n],) for n in linears if n in key_of and key_of[n] not in covered]
+    names = [tuple(family.layer_weights[key].format(i=layer) for key in keys) for keys in groups]
+    sites = group_sites(function, names, lambda g: "/".join(groups[g]))
+    return [_GroupPlan(groups[site.group], site.names, site.op, site.kind, site.k, site.fold, site.operand)
+            for site in sites if site.group is not None]
 
 
 # ================================================================================ running a layer
 
 
 class _StopLayer(Exception):
-    """Raised by the capture hook once the wanted input is seen: the rest of the layer is not needed."""
-
-
+    """Raised by the capture tap once the wanted input is seen: the rest of the layer is not needed."""
 
 
 class _CaptureInterpreter(Interpreter):
@@ -576,6 +472,7 @@ class _CaptureInterpreter(Interpreter):
         self._version = state.version
         self.plan_: _GroupPlan | None = None
         self.stats: InputStats | None = None
+        self._at: Operation | None = None  # the op whose tap captures
 
     def load_weight(self, op: Operation) -> np.ndarray:
         array = self.state.current_weight(op.attrs["name"])
@@ -585,7 +482,10 @@ class _CaptureInterpreter(Interpreter):
         return array
 
     def capture(self, plan: _GroupPlan | None, stats: InputStats | None) -> None:
+        """Feed `plan`'s input to `stats` (through the interpreter's tap) and stop the layer there; None: run it."""
         self.plan_, self.stats = plan, stats
+        self._at = None if plan is None else _capture_point(plan)
+        self.tap = None if plan is None else self._capture
 
     def run(self, name: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         if self.state.version != self._version:  # weights changed: rebuild plans (they hold the weight arrays)
@@ -593,18 +493,40 @@ class _CaptureInterpreter(Interpreter):
             self._version = self.state.version
         return super().run(name, inputs)
 
-    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    def _capture(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         plan = self.plan_
-        if plan is not None and step.op is plan.op:
-            assert self.stats is not None
-            if plan.kind == "input":
-                self.stats.add(inputs[0])
-            else:
-                x, wg, wu = inputs[0], inputs[1], inputs[2]
-                x2 = x.reshape(-1, x.shape[-1])
-                self.stats.add(mlp_activation(str(step.attrs.get("act", "silu")), x2 @ wg.T) * (x2 @ wu.T))
-            raise _StopLayer
-        return step.kernel(inputs, step.attrs)
+        if plan is None or step.op is not self._at:
+            return
+        assert self.stats is not None
+        op, at_group = plan.op, step.op is plan.op
+        if plan.kind == INPUT:
+            self.stats.add(inputs[plan.operand] if at_group else outputs[op.operands[plan.operand].index])
+        else:
+            if at_group:
+                x, w_gate, w_up = inputs[0], inputs[1], inputs[2]
+            else:  # the weights are the plan's constants: the arrays the MLP would read
+                x = outputs[op.operands[0].index]
+                w_gate, w_up = (self.load_weight(_owner(op.operands[i])) for i in (1, 2))
+            self.stats.add(mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2])
+        raise _StopLayer
+
+
+def _owner(value: Value) -> Operation:
+    op = producer(value)
+    assert op is not None
+    return op
+
+
+def _capture_point(plan: _GroupPlan) -> Operation:
+    """The op after which the group's input is known: the producer of the linears' input, so that the linears (for
+    top.MLP the whole fused MLP) need not run first; the group's own op when the input is a function argument."""
+    x = plan.op.operands[plan.operand if plan.kind == INPUT else 0]
+    source = producer(x)
+    if source is None or weight_name(x) is not None:
+        return plan.op
+    if plan.kind != INPUT and any(weight_name(plan.op.operands[i]) is None for i in (1, 2)):
+        return plan.op  # the hidden activation needs gate / up weights that are constants of the plan
+    return source
 
 
 GroupSolver = Callable[[GroupInputs, LayerState, Mapping[str, Any]], None]
@@ -632,53 +554,13 @@ class _FixedWeights:
         return self.weights[name]
 
 
-@dataclass(frozen=True)
-class _ProgramSource:
-    """What builds the calibration program, JSON-able: a worker that shares no memory builds it itself."""
-
-    key: str
-    family: str
-    spec: dict[str, Any]
-    seq_len: int
-    shapes: dict[str, list[int]]
-
-
-def _program_source(model: LoadedModel, seq_len: int) -> _ProgramSource:
-    store = model.checkpoint.weights
-    shapes = {name: [int(d) for d in store.shape(name)] for name in store.names()}
-    spec = model.spec.to_dict()
-    key = json.dumps([model.family.name, spec, seq_len, shapes], sort_keys=True, default=str)
-    return _ProgramSource(hashlib.sha256(key.encode()).hexdigest(), model.family.name, spec, seq_len, shapes)
-
-
-#: calibration programs built in this process (forked workers inherit the parent's), by source key
-_PROGRAMS: dict[str, tuple[Module, Any, Any]] = {}
-
-
-def _calibration_program(source: _ProgramSource, family: Any = None, spec: Any = None) -> tuple[Module, Any, Any]:
-    """(module, family, spec): the program every stage function of which runs one window of `seq_len` tokens."""
-    cached = _PROGRAMS.get(source.key)
-    if cached is None:
-        if family is None:
-            from topq.core.plugins import get_plugins
-
-            family = get_plugins().families.get(source.family)
-        spec = spec if spec is not None else ModelSpec.from_dict(source.spec)
-        shapes = {name: tuple(shape) for name, shape in source.shapes.items()}
-        module = build_program(spec, family, StageConfig(source.seq_len, source.seq_len, False, ()), shapes)
-        while len(_PROGRAMS) >= 2:  # a process calibrates one model at a time
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
-        cached = _PROGRAMS[source.key] = (module, family, spec)
-    return cached
-
-
 @dataclass
 class _LayerStep:
     """One step of the layer loop, as its tasks see it: capture group `group`'s input (None: the layer output)
     for some samples, with the layer's weights as they are now."""
 
     token: str  # unique: a worker keeps its interpreter for the step it last ran
-    source: _ProgramSource
+    source: ProgramSource
     layer: int
     group: int | None
     weights: dict[str, np.ndarray]  # every weight block_{layer} reads, as the model computes with it now
@@ -690,7 +572,7 @@ _STEP: dict[str, Any] = {}  # this process's interpreter for the step it last ra
 
 def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, _GroupPlan | None]:
     if _STEP.get("token") != step.token:
-        module, family, spec = _calibration_program(step.source)
+        module, family, spec = calibration_program(step.source)
         plan = None
         if step.group is not None:
             plan = _find_groups(module[f"block_{step.layer}"], family, spec, step.layer)[step.group]
@@ -764,8 +646,8 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     windows = np.asarray(windows, dtype=np.int32)
     samples, seq_len = windows.shape
     spec, family = model.spec, model.family
-    source = _program_source(model, seq_len)
-    module, _, _ = _calibration_program(source, family, spec)
+    source = program_source(model, seq_len)
+    module, _, _ = calibration_program(source, family, spec)
     state = LayerState(model.weight, rope_weights(spec, seq_len), scale_dtype=str(options.get("act_dtype", "f32")))
     interp = _CaptureInterpreter(module, state)
     hidden = np.stack([interp.run("embedding", [w[None]])[0][0] for w in windows])  # [samples, L, H]
@@ -779,8 +661,8 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
             reads = _weights_read(module[f"block_{layer}"])
 
             def step(group: int | None) -> _LayerStep:
-                return _LayerStep(uuid.uuid4().hex, source, layer, group,  # noqa: B023 - used at once
-                                  {n: state.current_weight(n) for n in reads})  # noqa: B023
+                return _LayerStep(uuid.uuid4().hex, source, layer, group,
+                                  {n: state.current_weight(n) for n in reads})
 
             for g, plan in enumerate(layer_plans):
                 bar.set_postfix_str(f"layer {layer} {'/'.join(plan.keys)}")
@@ -815,8 +697,9 @@ def quantization_report(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
     The layer loop runs on the float model (nothing is published, so every layer sees the float model's
     inputs, which are also what the RTN weights were chosen without). Returns a result with no values."""
     assert scheme.quantize is not None
-    options = {k: v for k, v in recipe.to_dict()["quant"].items() if v is not None}
-    options["act_dtype"] = scheme.compute_dtype
+    quant = recipe.to_dict()["quant"]
+    options = {k: v for k, v in quant.items() if v is not None}
+    options["act_dtype"] = scheme.produces(quant).compute_dtype
     quantize = scheme.quantize
 
     def report(group: GroupInputs, state: LayerState, _options: Mapping[str, Any]) -> None:
@@ -833,42 +716,35 @@ def quantization_report(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
 # ================================================================================ schemes
 
 
-def scheme_options(recipe: Recipe) -> dict[str, Any]:
-    """The `quant` options a calibrated weight-only scheme uses, checked and defaulted."""
-    q = recipe.quant
-    bits = 4 if q.bits is None else int(q.bits)
+def weight_options(quant: Mapping[str, Any], scheme: str) -> dict[str, Any]:
+    """The options every calibrated weight-only scheme reads (bits, group_size, symmetric, act_dtype), checked
+    and defaulted; a scheme adds its own (`calibration_scheme`'s `read_options`)."""
+    bits = 4 if quant.get("bits") is None else int(quant["bits"])
     if bits not in (4, 8):
-        raise TopqError(f"quant.bits must be 4 or 8 for scheme {q.scheme}, got {bits}")
-    act_dtype = q.act_dtype or "bf16"
-    if act_dtype not in ("bf16", "f16", "f32"):
-        raise TopqError(f"quant.act_dtype must be bf16, f16 or f32, got {act_dtype!r}")
-    iters = int(q.iters)
-    return {
-        "bits": bits,
-        "group_size": int(q.group_size),
-        "symmetric": bool(q.symmetric),
-        "act_dtype": act_dtype,
-        "act_order": bool(q.act_order),
-        "damp": float(q.damp),
-        "block_size": int(q.block_size),
-        "clip": bool(q.clip),
-        "iters": iters,
-        "lr": float(q.lr) if q.lr is not None else 1.0 / max(iters, 1),
-    }
+        raise TopqError(f"quant.bits must be 4 or 8 for scheme {scheme}, got {bits}")
+    return {"bits": bits, "group_size": int(quant["group_size"]), "symmetric": bool(quant["symmetric"]),
+            "act_dtype": act_dtype(quant)}
 
 
-_COMMON_OPTIONS = ("bits", "group_size", "symmetric", "act_dtype", "calibration")
-
-
-def calibration_scheme(name: str, description: str, solve: GroupSolver,
-                       extra_options: tuple[str, ...] = ()) -> QuantScheme:
+def calibration_scheme(name: str, description: str, solve: GroupSolver, own_options: tuple[Option, ...] = (),
+                       read_options: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda quant: {},
+                       ) -> QuantScheme:
     """A weight-only QuantScheme whose `calibrate` runs the layer loop with `solve`.
 
-    The rewritten float tensors (`CalibrationResult.float_weights`) are installed by the pipeline
-    (`make_quantizer`) in `model.extra_weights`, which `LoadedModel.weight` reads before the checkpoint."""
+    `own_options` are the scheme's recipe options beside bits / group_size / symmetric / act_dtype;
+    `read_options(quant)` checks and defaults them (the solver gets both). The scheme produces `bits`-bit weights
+    computed in `act_dtype` (default bf16). The rewritten float tensors (`CalibrationResult.float_weights`) are
+    installed by the pipeline (`make_quantizer`) in `model.extra_weights`, which `LoadedModel.weight` reads before
+    the checkpoint."""
+
+    def options_of(quant: Mapping[str, Any]) -> dict[str, Any]:
+        return {**weight_options(quant, name), **read_options(quant)}
+
+    def product(quant: Mapping[str, Any]) -> SchemeProduct:
+        return SchemeProduct(act_dtype(quant), (4 if quant.get("bits") is None else int(quant["bits"]),))
 
     def calibrate(model: LoadedModel, recipe: Recipe, *, executor: TaskExecutor | None = None) -> CalibrationResult:
-        options = scheme_options(recipe)
+        options = options_of(recipe.to_dict()["quant"])
         windows = calibration_windows(model, recipe)
         return run_calibration(model, windows, solve, options, desc=name, executor=executor)
 
@@ -880,5 +756,5 @@ def calibration_scheme(name: str, description: str, solve: GroupSolver,
                                bool(options.get("symmetric", False)))
 
     return QuantScheme(name, description, compute_dtype="bf16", weight_bits=4,
-                       options=_COMMON_OPTIONS + extra_options, needs_calibration=True,
-                       quantize=quantize, calibrate=calibrate)
+                       options=(*WEIGHT_OPTIONS, ACT_DTYPE, *own_options), needs_calibration=True,
+                       quantize=quantize, calibrate=calibrate, product=product)

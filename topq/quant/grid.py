@@ -14,6 +14,8 @@ Groups run along the input dimension K of a weight [N, K]: column k belongs to g
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from topq.core.errors import TopqError
@@ -132,3 +134,25 @@ def output_error(w: np.ndarray, w_hat: np.ndarray, h: np.ndarray) -> np.ndarray:
     row n gives (w - ŵ)_n H (w - ŵ)_nᵀ. Exact for all tokens, and cheaper than re-running them when tokens > K."""
     d = np.asarray(w, dtype=np.float64) - np.asarray(w_hat, dtype=np.float64)
     return np.einsum("nk,nk->n", d @ np.asarray(h, dtype=np.float64), d)
+
+
+def to_signed_symmetric(weight: QuantizedWeight) -> QuantizedWeight:
+    """An offset-symmetric weight (zeros all 2^(bits-1)) as signed codes with zeros 0; the same values."""
+    offset = 1 << (weight.bits - 1)
+    if not np.all(np.asarray(weight.zeros) == offset):
+        raise TopqError(f"not an offset-symmetric weight: zeros are not all {offset}")
+    dtype = np.int8 if weight.bits <= 8 else np.int16
+    return QuantizedWeight(
+        codes=(weight.codes.astype(np.int16) - offset).astype(dtype),
+        scales=weight.scales, zeros=np.zeros_like(weight.zeros), bits=weight.bits,
+        group_size=weight.group_size, symmetric=True, g_idx=weight.g_idx)
+
+
+def signed_if_offset_symmetric(q: QuantizedWeight) -> QuantizedWeight:
+    """Imported symmetric weights carry unsigned codes with zeros 2^(bits-1); topq's symmetric form is signed codes
+    with zeros 0 (the same values). A "symmetric" weight whose zeros differ is kept exactly as asymmetric."""
+    if not q.symmetric or not np.any(q.zeros):
+        return q
+    if np.all(np.asarray(q.zeros) == 1 << (q.bits - 1)):
+        return to_signed_symmetric(q)
+    return dataclasses.replace(q, symmetric=False)

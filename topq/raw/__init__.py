@@ -11,10 +11,10 @@
 
 `silu(x, out)` runs it on numpy arrays; `raw_call(b, silu, [out], [x])` puts it in a Top graph as a
 `top.DSLRegion`; a recipe's `kernels: [{replace: top.SiLU, with: "pkg.mod:silu"}]` swaps it in for an op.
-See docs/raw_kernels.md. Importing this package registers the kernel IR ops, `top.DSLRegion` and its host kernel.
+See docs/raw_kernels.md. The kernel IR ops, `top.DSLRegion` and its host kernel are an IR extension
+(`topq.raw.extension`) that the raw plugin registers; decorating a kernel or calling `raw_call` installs it too.
 """
 
-import topq.raw.kernel_ops  # noqa: F401  (registers scf / memref / arith / math in the catalogue)
 from topq.raw.annotations import InOut, Input, Num
 from topq.raw.functions import erf, exp, log, rsqrt, sqrt, tanh
 from topq.raw.kernel import Kernel, kernel

@@ -50,6 +50,9 @@ class Kernel:
         self.inputs = [p for p in self.params if p.kind is ParamKind.INPUT]
         self.nums = [p for p in self.params if p.kind is ParamKind.NUM]
         self._cache: dict[tuple[Any, ...], Specialisation] = {}
+        from topq.raw.extension import install  # (here: the extension module imports this one)
+
+        install()  # lowering builds kernel IR ops: they must be in the catalogue, even before plugins load
         # Lower once with every `?` set to 1 so unsupported constructs are reported where the kernel is defined.
         placeholder = {p.name: _placeholder(p.type) for p in self.params if p.is_tensor}
         self.lower(placeholder, {p.name: 0 for p in self.nums}, [p.name for p in self.params if p.is_tensor])

@@ -11,7 +11,8 @@ scalar SSA: `f32`/`f16`/`bf16`/`f64` floats, `index` for loop counters and subsc
   yielded values of the branch taken.
 * `scf.yield` also terminates a `top.DSLRegion` body, yielding the output buffers.
 
-The ops are declared here as data with result-type inference, so the Top verifier and builder accept them.
+The ops are declared here as data with result-type inference (`KERNEL_OPS`); once installed (`topq.raw.extension`)
+the Top verifier and builder accept them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from topq.ir.catalogue import AttrSpec, InferError, define
+from topq.ir.catalogue import NO_TRAITS, AttrSpec, InferError, InferFn, OpDef, op_def
 from topq.ir.types import ScalarType, TensorType, Type
 
 A = AttrSpec
@@ -116,32 +117,43 @@ def _cast(types: Sequence[Type], attrs: dict[str, Any]) -> None:
     return None  # the target type is the result type written in the IR
 
 
+#: The kernel IR ops (registered through the raw plugin's IR extension, `topq.raw.plugin`).
+KERNEL_OPS: list[OpDef] = []
+
+
+def _op(name: str, operands: int | tuple[int, int | None], results: int | None = 1,
+        attrs: dict[str, AttrSpec] | None = None, infer: InferFn | None = None, regions: int = 0,
+        doc: str = "") -> None:
+    # Scalar and buffer ops inside a kernel body: none of the Top-graph traits apply.
+    KERNEL_OPS.append(op_def(name, operands, results, attrs, infer, regions, doc, NO_TRAITS))
+
+
 # -- structured control flow and buffers ------------------------------------------------------------------
-define("scf.for", (3, None), results=None, infer=_for, regions=1,
-       doc="for iv in range(lb, ub, step) with loop-carried iter_args; results = final iter_args")
-define("scf.if", 1, results=None, infer=_if, regions=2, doc="then / else regions, each ending in scf.yield")
-define("scf.yield", (0, None), results=0, doc="terminator: the values a region hands to its parent op")
-define("memref.load", (1, None), infer=_load, doc="buffer[indices...] → element")
-define("memref.store", (2, None), results=0, infer=_store, doc="buffer[indices...] = value (in place)")
+_op("scf.for", (3, None), results=None, infer=_for, regions=1,
+    doc="for iv in range(lb, ub, step) with loop-carried iter_args; results = final iter_args")
+_op("scf.if", 1, results=None, infer=_if, regions=2, doc="then / else regions, each ending in scf.yield")
+_op("scf.yield", (0, None), results=0, doc="terminator: the values a region hands to its parent op")
+_op("memref.load", (1, None), infer=_load, doc="buffer[indices...] → element")
+_op("memref.store", (2, None), results=0, infer=_store, doc="buffer[indices...] = value (in place)")
 
 # -- arith ----------------------------------------------------------------------------------------------
-define("arith.constant", 0, attrs={"value": A("float")}, doc="a scalar constant; its type is the result type")
+_op("arith.constant", 0, attrs={"value": A("float")}, doc="a scalar constant; its type is the result type")
 for _name in ("addf", "subf", "mulf", "divf", "maximumf", "minimumf"):
-    define(f"arith.{_name}", 2, infer=_float_op)
-define("arith.negf", 1, infer=_float_op)
+    _op(f"arith.{_name}", 2, infer=_float_op)
+_op("arith.negf", 1, infer=_float_op)
 for _name in ("addi", "subi", "muli", "floordivsi", "maxsi", "minsi"):
-    define(f"arith.{_name}", 2, infer=_int_op)
+    _op(f"arith.{_name}", 2, infer=_int_op)
 for _name in ("andi", "ori", "xori"):
-    define(f"arith.{_name}", 2, infer=_bool_op)
-define("arith.cmpf", 2, attrs={"predicate": A("str", choices=CMPF_PREDICATES)},
-       infer=_cmp(FLOAT_TYPES, "float scalars"))
-define("arith.cmpi", 2, attrs={"predicate": A("str", choices=CMPI_PREDICATES)},
-       infer=_cmp(INT_TYPES, "index or integer scalars"))
-define("arith.select", 3, infer=_select)
-define("arith.index_cast", 1, infer=_cast, doc="index ↔ i64/i32")
-define("arith.sitofp", 1, infer=_cast, doc="signed integer → float")
+    _op(f"arith.{_name}", 2, infer=_bool_op)
+_op("arith.cmpf", 2, attrs={"predicate": A("str", choices=CMPF_PREDICATES)},
+    infer=_cmp(FLOAT_TYPES, "float scalars"))
+_op("arith.cmpi", 2, attrs={"predicate": A("str", choices=CMPI_PREDICATES)},
+    infer=_cmp(INT_TYPES, "index or integer scalars"))
+_op("arith.select", 3, infer=_select)
+_op("arith.index_cast", 1, infer=_cast, doc="index ↔ i64/i32")
+_op("arith.sitofp", 1, infer=_cast, doc="signed integer → float")
 
 # -- math -------------------------------------------------------------------------------------------------
 MATH_FUNCTIONS = ("exp", "log", "sqrt", "rsqrt", "tanh", "absf", "erf")
 for _name in MATH_FUNCTIONS:
-    define(f"math.{_name}", 1, infer=_float_op)
+    _op(f"math.{_name}", 1, infer=_float_op)

@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 
 from topq.ir.builder import Builder
-from topq.ir.catalogue import CATALOGUE, AttrSpec, InferError, define
+from topq.ir.catalogue import CATALOGUE, NO_TRAITS, AttrSpec, InferError, op_def
 from topq.core.errors import TopqError
-from topq.ir.interpreter import REGION_KERNELS
 from topq.ir.graph import Operation, Region, Value
 from topq.ir.rewrite import Pattern, Rewriter
 from topq.ir.types import TensorType, Type
@@ -43,9 +42,12 @@ def _infer(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     return list(types[:n])
 
 
-define(DSL_REGION, (1, None), results=None, regions=1, infer=_infer,
-       attrs={"num_outputs": AttrSpec("int"), "kernel": AttrSpec("str", ""), "arg_names": AttrSpec("list", None)},
-       doc="a raw kernel: operands = outputs then inputs, results typed like the outputs, one region")
+#: Registered with the raw IR extension (`topq.raw.extension`). A kernel computes anything: no traits apply.
+DSL_REGION_OP = op_def(
+    DSL_REGION, (1, None), results=None, regions=1, infer=_infer,
+    attrs={"num_outputs": AttrSpec("int"), "kernel": AttrSpec("str", ""), "arg_names": AttrSpec("list", None)},
+    doc="a raw kernel: operands = outputs then inputs, results typed like the outputs, one region",
+    traits=NO_TRAITS)
 
 
 # -- building ---------------------------------------------------------------------------------------------------
@@ -56,6 +58,9 @@ def raw_call(b: Builder, kernel: Kernel, outputs: Sequence[Value], inputs: Seque
     `outputs` are the initial contents of the kernel's InOut parameters (in order), `inputs` feed its Input
     parameters (in order), keywords give its Num parameters. Shapes must be static and match the annotations.
     """
+    from topq.raw.extension import install  # (here: the extension module imports this one)
+
+    install()  # top.DSLRegion must be in the catalogue
     where = f"raw_call({kernel.ref})"
     if len(outputs) != len(kernel.inouts) or len(inputs) != len(kernel.inputs):
         raise TopqError(f"{where}: the kernel takes {len(kernel.inouts)} InOut and {len(kernel.inputs)} Input "
@@ -74,8 +79,9 @@ def raw_call(b: Builder, kernel: Kernel, outputs: Sequence[Value], inputs: Seque
 
 # -- host execution ---------------------------------------------------------------------------------------------
 class DSLRegionKernel:
-    """The interpreter's kernel for `top.DSLRegion` (in `REGION_KERNELS`). The interpreter calls `bind(op)` once per
-    op when it plans a function, so the region's vectorisation analysis is done once, not per call."""
+    """The interpreter's region kernel for `top.DSLRegion` (installed with the raw IR extension). The interpreter
+    calls `bind(op)` once per op when it plans a function, so the region's vectorisation analysis is done once,
+    not per call."""
 
     def bind(self, op: Operation) -> Callable[[list[np.ndarray], dict[str, Any]], list[np.ndarray]]:
         body = op.regions[0].block
@@ -91,8 +97,6 @@ class DSLRegionKernel:
 
         return run
 
-
-REGION_KERNELS[DSL_REGION] = DSLRegionKernel()
 
 
 # -- replacing Top ops ------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from topq.core.runtime import Session
 from topq.core.target import CompileJob
 from topq.plugins.targets.bm1684x import TARGETS, make_target, open_bundle
 from topq.plugins.targets.bm1684x.emulator import Emulator
-from topq.plugins.targets.bm1684x.modes import MODES, get_mode
 from topq.plugins.targets.bm1684x.packing import dequantize, pack
 from topq.plugins.targets.bm1684x.spec import BM1684X, BM1688, KiB
 
@@ -299,7 +298,11 @@ def test_lm_head_quantized_when_asked(bundle: Callable[..., Bundle]) -> None:
 # ------------------------------------------------------------------------------------------ checker
 
 
-@pytest.mark.parametrize("scheme", list(MODES))
+#: every built-in scheme the chip runs (it chooses by what a scheme produces, not by name)
+CHIP_SCHEMES = ("f32", "bf16", "f16", "w8bf16", "w4bf16", "w8f16", "w4f16", "auto", "gptq", "awq", "autoround", "int8")
+
+
+@pytest.mark.parametrize("scheme", CHIP_SCHEMES)
 def test_checker_passes_every_function(bundle: Callable[..., Bundle], scheme: str,
                                        tmp_path_factory: pytest.TempPathFactory) -> None:
     quant: dict[str, Any] = G64 if scheme.startswith("w") else {}
@@ -448,14 +451,17 @@ def test_bundles_for_another_chip_or_mode_are_refused(bundle: Callable[..., Bund
     with pytest.raises(TopqError, match="compiled for host, not bm1684x"):
         TARGETS[0].open(bundle("host", "bf16"))
     odd = Bundle(other.path)
-    odd.meta["target_meta"]["mode"] = "w2bf16"  # (int8 is a mode since W8A8)
-    with pytest.raises(TopqError, match=r"mode 'w2bf16' cannot run on the bm1688 emulator; it runs: f32, bf16, f16"):
+    odd.meta["target_meta"]["dtype"] = "i4"
+    with pytest.raises(TopqError, match=r"mode 'bf16' computes in 'i4', which the bm1688 emulator cannot run; "
+                                        r"it runs: f32, bf16, f16"):
         TARGETS[1].open(odd)
 
 
-def test_unsupported_scheme_lists_the_supported_ones(tiny: Any, tmp_path: Path) -> None:
-    with pytest.raises(TopqError, match=r"target bm1684x cannot run scheme 'w2bf16'; it runs: f32, bf16, f16, w8bf16, .*, int8"):
-        get_mode("w2bf16")
+def test_weights_the_chip_cannot_pack_are_refused_naming_them(tiny: Any, tmp_path: Path) -> None:
+    """The target refuses what a scheme produces (3-bit weights), before calibrating, not the scheme's name."""
+    with pytest.raises(TopqError, match=r"^target bm1684x cannot run 3-bit weights \(tpu.A16MatMul packs 4- or "
+                                        r"8-bit weights\)$"):
+        convert(recipe(tiny[1], "bm1684x", "gptq", tmp_path / "x.topq", bits=3), progress=False)
 
 
 def test_wrong_input_shapes_are_errors(bundle: Callable[..., Bundle]) -> None:

@@ -114,13 +114,26 @@ def _open_weights(d: Path) -> SafetensorsStore:
     raise TopqError(f"hf checkpoint: no model.safetensors in {d}{hint}")
 
 
+def _refuse_custom_code(d: Path) -> None:
+    """A config naming its own model or tokenizer classes (`auto_map`) makes transformers offer to run the
+    checkpoint's Python code (asking on stdout, answered from stdin). topq never runs code from a checkpoint."""
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            doc = json.loads((d / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue  # missing or unreadable: the readers below report it
+        if isinstance(doc, dict) and "auto_map" in doc:
+            raise TopqError(f"{d / name}: the checkpoint ships its own code (auto_map); topq never runs code "
+                            "from a checkpoint")
+
+
 def _read_config(d: Path) -> dict[str, Any]:
     if not (d / "config.json").is_file():
         raise TopqError(f"hf checkpoint: no config.json in {d}")
     from transformers import AutoConfig  # heavy import, only when a checkpoint is opened
 
     try:
-        config = AutoConfig.from_pretrained(d, local_files_only=True).to_dict()
+        config = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=False).to_dict()
     except Exception as exc:  # noqa: BLE001 - unknown model_type etc.: fall back to the raw JSON
         try:
             config = json.loads((d / "config.json").read_text(encoding="utf-8"))
@@ -141,7 +154,7 @@ def _read_tokenizer(d: Path) -> dict[str, str]:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(d)
+        tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises many kinds; one line for the user
         raise TopqError(f"{d}: cannot load the tokenizer ({exc})") from exc
     return tokenizer_files_of(tokenizer)
@@ -152,6 +165,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     d = Path(path)
     if not d.is_dir():
         raise TopqError(f"hf checkpoint: {d} is not a directory")
+    _refuse_custom_code(d)
     config = _read_config(d)
     weights: WeightStore = _open_weights(d)
     quantization_config = read_quantization_config(d, config)

@@ -19,8 +19,10 @@ Layouts, each checked against the code of the library that writes it:
   int32 [K*bits/32, N] and ``qzeros`` int32 [G, N*bits/32] are LSB-first bit streams along K resp. N: every
   `bits` consecutive int32 words hold 32 values, value j at bit 3j for 3-bit (the "10 | 1 | 10 | 1 | 10"
   split across words), at bit bits*j of one word for 2/4/8. v1 checkpoints (``checkpoint_format: gptq``,
-  AutoGPTQ) store ``zero - 1``; GPTQModel's ``gptq_v2`` stores the zero itself. Like AutoGPTQ's own
-  dequantization, a v1 zero is read per field as ``(field & mask) + 1``.
+  AutoGPTQ) store ``zero - 1``; GPTQModel's ``gptq_v2`` stores the zero itself. GPTQModel writes v1 by one
+  whole-word subtraction of a 1 in every field (``convert_gptq_v2_to_v1_format_module``: 0x11111111 for 4 bits),
+  so a zero of 0 borrows from its neighbour; 2/4/8-bit v1 zeros are read by adding that word back before
+  unpacking (its ``convert_gptq_v1_to_v2_format_module``), 3-bit ones per field as ``(field & mask) + 1``.
 * AWQ GEMM (`unpack_awq`): AutoAWQ ``WQLinear_GEMM.from_linear`` (awq/modules/linear/gemm.py): ``qweight``
   int32 [K, N/8], ``qzeros`` int32 [G, N/8], field i (bits 4i..4i+3) of word c holds column
   ``8c + AWQ_ORDER[i]``, AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]; zeros are stored as they are.
@@ -53,6 +55,7 @@ import numpy as np
 from topq.core.checkpoint import WeightStore
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
+from topq.quant.grid import to_signed_symmetric  # re-exported: the unpackers' callers use it from here
 
 __all__ = [
     "AWQ_ORDER",
@@ -77,6 +80,9 @@ SUPPORTED_METHODS: tuple[str, ...] = ("gptq", "awq", "auto-round", "compressed-t
 GGUF_EXACT_TYPES: tuple[str, ...] = ("Q4_0", "Q8_0")
 _GPTQ_BITS = (2, 3, 4, 8)
 _WORD = 32
+#: a 1 in every field of a packed 32-bit word: what GPTQ v1 subtracts from each qzeros word (whole fields only;
+#: 3-bit fields straddle words, and its writers subtract 1 per field, which `zero_offset` undoes per field)
+_V1_WORD_OFFSET: dict[int, np.uint32] = {b: np.uint32(sum(1 << (b * i) for i in range(_WORD // b))) for b in (2, 4, 8)}
 
 
 # ------------------------------------------------------------------------------------------------ bit unpacking
@@ -167,18 +173,6 @@ def _scales(array: np.ndarray) -> np.ndarray:
     return np.array(array)
 
 
-def to_signed_symmetric(weight: QuantizedWeight) -> QuantizedWeight:
-    """An offset-symmetric weight (zeros all 2^(bits-1)) as signed codes with zeros 0; the same values."""
-    offset = 1 << (weight.bits - 1)
-    if not np.all(np.asarray(weight.zeros) == offset):
-        raise TopqError(f"not an offset-symmetric weight: zeros are not all {offset}")
-    dtype = np.int8 if weight.bits <= 8 else np.int16
-    return QuantizedWeight(
-        codes=(weight.codes.astype(np.int16) - offset).astype(dtype),
-        scales=weight.scales, zeros=np.zeros_like(weight.zeros), bits=weight.bits,
-        group_size=weight.group_size, symmetric=True, g_idx=weight.g_idx)
-
-
 # ------------------------------------------------------------------------------------------------ unpackers
 def unpack_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray | None = None, *,
                 bits: int | None = None, group_size: int | None = None, zero_offset: int = 1,
@@ -205,6 +199,10 @@ def unpack_gptq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, g_i
         raise TopqError(f"{what}: qweight {tuple(qw.shape)} does not fit {n} outputs at {bits} bits")
     codes = unpack_bitstream(qw, bits, axis=0)  # [K, N]
     k = codes.shape[0]
+    if zero_offset and bits in _V1_WORD_OFFSET:
+        # v1 writers subtract the offset from the whole packed word (GPTQModel's v2 -> v1 conversion), so a
+        # zero point of 0 borrows from the next field: add the word back before unpacking (exact for every zero).
+        qz, zero_offset = qz + _V1_WORD_OFFSET[bits], 0  # uint32 arithmetic wraps like the writer's
     zeros = unpack_bitstream(qz, bits, axis=1).astype(np.int16) + np.int16(zero_offset)  # [G, N]
     size = _group_size(k, groups, group_size, what)
     return QuantizedWeight(codes=np.ascontiguousarray(codes.T), scales=np.ascontiguousarray(scales.T),

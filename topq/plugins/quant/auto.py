@@ -7,17 +7,33 @@ k-quants) are dequantized, and the conversion warns naming those types.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import topq
-from topq.core.quant import QuantScheme
+from topq.core.checkpoint import QuantizedWeightStore, WeightStore
+from topq.core.quant import QuantizedWeight, QuantScheme, SchemeProduct
+from topq.quant.grid import signed_if_offset_symmetric
+
+
+def stored(weights: WeightStore, name: str) -> QuantizedWeight | None:
+    """The checkpoint's own integers for `name` (None: the checkpoint stores it as float)."""
+    if not isinstance(weights, QuantizedWeightStore):
+        return None
+    q = weights.quantized(name)
+    return signed_if_offset_symmetric(q) if q is not None else None
+
 
 SCHEME = QuantScheme(
     "auto",
     "the checkpoint's own quantization (quantization_config or GGUF tensor types), repacked losslessly",
     compute_dtype="bf16",
-    options=("lm_head",),
+    # The checkpoint decides each weight's bits; 4 and 8 are what the importers produce for GGUF and usual
+    # GPTQ/AWQ checkpoints. Other widths (GPTQ 2/3-bit) reach the target per weight, as its QuantSpec.
+    product=lambda options: SchemeProduct("bf16", (4, 8)),
+    stored=stored,
 )
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Callable[[QuantScheme], None]) -> None:
     register(SCHEME)

@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 import topq
 from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
-from topq.core.quant import QuantizedWeight
+from topq.core.quant import Option, QuantizedWeight
+from topq.core.recipe import Field
 from topq.quant.grid import (
     TINY_SCALE,
     check_bits,
@@ -162,9 +163,20 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
                  options["group_size"], options["symmetric"])
 
 
+OPTIONS = (
+    Option("iters", Field("int", 200, ge=0, help="autoround: optimisation steps (0 = plain rounding)")),
+    Option("lr", Field("float", None, nullable=True, gt=0, help="autoround: learning rate; null = 1/iters")),
+)
+
+
+def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
+    iters = int(quant["iters"])
+    return {"iters": iters, "lr": float(quant["lr"]) if quant["lr"] is not None else 1.0 / max(iters, 1)}
+
+
 SCHEME = calibration_scheme(
     "autoround", "AutoRound: SignSGD-tuned rounding offsets and range factors (weight-only, calibrated)",
-    solve_group, extra_options=("iters", "lr"))
+    solve_group, OPTIONS, read_options)
 
 
 @topq.hookimpl

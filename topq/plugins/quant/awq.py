@@ -28,7 +28,8 @@ from topq.quant.calibration import (
     calibration_scheme,
 )
 from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight
+from topq.core.quant import Option, QuantizedWeight
+from topq.core.recipe import Field
 from topq.quant.grid import (
     check_bits,
     fake_quant,
@@ -166,7 +167,8 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
 
 SCHEME = calibration_scheme(
     "awq", "AWQ: activation-aware channel scaling (folded into the previous op) + range clipping, calibrated",
-    solve_group, extra_options=("clip",))
+    solve_group, (Option("clip", Field("bool", True, help="awq: search weight clipping ranges")),),
+    lambda quant: {"clip": bool(quant["clip"])})
 
 
 @topq.hookimpl

@@ -15,7 +15,8 @@ import numpy as np
 import topq
 from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight
+from topq.core.quant import Option, QuantizedWeight
+from topq.core.recipe import Field
 from topq.quant.grid import (
     check_bits,
     make_quantized,
@@ -140,9 +141,21 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
                  options["group_size"], options["symmetric"])
 
 
+OPTIONS = (
+    Option("act_order", Field("bool", False, help="gptq: quantize columns in decreasing activation order")),
+    Option("damp", Field("float", 0.01, ge=0, le=1, help="gptq: Hessian dampening, fraction of the mean diagonal")),
+    Option("block_size", Field("int", 128, ge=1, help="gptq: columns per lazy-update block")),
+)
+
+
+def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
+    return {"act_order": bool(quant["act_order"]), "damp": float(quant["damp"]),
+            "block_size": int(quant["block_size"])}
+
+
 SCHEME = calibration_scheme(
     "gptq", "GPTQ: Hessian-aware column-wise rounding (W4/W8 weight-only, calibrated)",
-    solve_group, extra_options=("act_order", "damp", "block_size"))
+    solve_group, OPTIONS, read_options)
 
 
 @topq.hookimpl

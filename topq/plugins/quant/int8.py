@@ -22,6 +22,7 @@ recorded in the program's module attribute `topq.int8` (so in the bundle metadat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -36,17 +37,32 @@ from tqdm import tqdm
 import topq
 from topq.core.errors import TopqError
 from topq.ir.int8 import QMAX, quantize_weight
+from topq.ir.analysis import LinearUse, op_linears, weight_name
+from topq.ir.catalogue import Linear, traits_of
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.graph import Function, Module, Operation, Value
 from topq.quant.observers import Observer
-from topq.core.quant import QuantScheme
+from topq.core.quant import Option, QuantScheme, SchemeProduct
+from topq.core.recipe import Field
+from topq.quant.program import ProgramSource, build_calibration_program, open_weights, program_source
+from topq.quant.sites import MLP_HIDDEN, shared_input_sites
 from topq.ir.types import round_to_dtype
-from topq.ir.reference_ops import REFERENCE_OPS, mlp_activation
+from topq.ir.reference_ops import REFERENCE_OPS, mlp_hidden
 from topq.ir.rewrite import Rewriter, apply_patterns
-from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.core.stages import rope_weights
 from topq.ir.types import TensorType
 
-OPTIONS = ("observer", "percentile", "smooth_alpha", "dynamic_tokens", "budget", "table", "calibration", "lm_head")
+OPTIONS = (
+    Option("observer", Field("str", "minmax", choices=("minmax", "percentile", "kl"),
+                             help="int8: activation range observer")),
+    Option("percentile", Field("float", 99.99, gt=0, le=100, help="int8: percentile for the percentile observer")),
+    Option("smooth_alpha", Field("float", None, nullable=True, ge=0, le=1,
+                                 help="int8: SmoothQuant migration strength; null = off")),
+    Option("dynamic_tokens", Field("bool", False, help="int8: per-token dynamic activation scales")),
+    Option("budget", Field("float", None, nullable=True, ge=0,
+                           help="int8: mixed-precision perplexity budget; null = all int8")),
+    Option("table", Field("str", None, nullable=True, path=True, help="int8: per-layer mode file")),
+)
 TABLE_VERSION = 1
 OUT = ":out"  # observer key suffix of a linear's output (static requantization's out_scale)
 SCALE_DTYPE = "bf16"  # weight scales are stored (and multiplied) in the compute dtype
@@ -135,107 +151,74 @@ class Int8Plan:
 # ============================================================================ the graph side
 
 
-def _weight_name(value: Value) -> str | None:
-    owner = value.owner
-    if isinstance(owner, Operation) and owner.name == "top.Weight":
-        return str(owner.attrs["name"])
-    return None
-
-
-def _users(function: Function) -> dict[int, list[Operation | None]]:
-    users: dict[int, list[Operation | None]] = {}
-    for op in function.ops:
-        for v in op.operands:
-            users.setdefault(id(v), []).append(op)
-    for v in function.results:
-        users.setdefault(id(v), []).append(None)
-    return users
-
-
-def _is_linear(op: Operation, linears: frozenset[str]) -> str | None:
-    if op.name == "top.MatMul" and op.attrs.get("right_transpose") and len(op.operands[1].shape) == 2:
-        name = _weight_name(op.operands[1])
-        return name if name in linears else None
-    return None
+def _accepts(linears: frozenset[str]) -> Callable[[LinearUse], bool]:
+    """The linears int8 plans: the given weights, stored [N, K] and 2-D."""
+    return lambda use: (use.weight in linears and use.hf_layout
+                        and len(use.op.operands[use.linear.weight].shape) == 2)
 
 
 def find_sites(function: Function, linears: frozenset[str]) -> tuple[list[Site], dict[int, list[Site]]]:
-    """The sites of one block function and, per op id, the sites observed when that op runs."""
-    users = _users(function)
-    by_input: dict[int, tuple[Value, list[str], Operation]] = {}
-    at_op: dict[int, list[Site]] = {}
+    """The sites of one block function and, per op id, the sites observed when that op runs.
+
+    SmoothQuant's 1/s goes into an RMSNorm-like weight (a norm without bias) when x is that norm's output and
+    feeds only the site's linears; into up's rows for the down projection; else an explicit top.Mul."""
     sites: list[Site] = []
-    for op in function.ops:
-        name = _is_linear(op, linears)
-        if name is not None:
-            x = op.operands[0]
-            entry = by_input.setdefault(id(x), (x, [], op))
-            entry[1].append(name)
-        elif op.name == "top.MLP":
-            names = [_weight_name(v) for v in op.operands[1:4]]
-            if all(n in linears for n in names):
-                gate, up, down = names  # type: ignore[misc]
-                x = op.operands[0]
-                s_in = Site((gate, up), "input", x.shape[-1], *_fold_of(x, {id(op)}, users))
-                s_h = Site((down,), "mlp_hidden", op.operands[3].shape[-1], "up", up)
-                sites += [s_in, s_h]
-                at_op[id(op)] = [s_in, s_h]
-    for x, names, first in by_input.values():
-        ops = {id(u) for u in users.get(id(x), []) if u is not None and _is_linear(u, linears)}
-        site = Site(tuple(names), "input", x.shape[-1], *_fold_of(x, ops, users))
+    at_op: dict[int, list[Site]] = {}
+    for found in shared_input_sites(function, _accepts(linears)):
+        if found.kind == MLP_HIDDEN:
+            assert found.fold is not None
+            fold, fold_weight = "up", found.fold.weight
+        elif found.fold is not None:
+            fold, fold_weight = "norm", found.fold.weight
+        else:
+            fold, fold_weight = "mul", None
+        site = Site(found.names, found.kind, found.k, fold, fold_weight)
         sites.append(site)
-        at_op.setdefault(id(first), []).append(site)
+        at_op.setdefault(id(found.op), []).append(site)
     return sites, at_op
-
-
-def _fold_of(x: Value, consumers: set[int], users: Mapping[int, list[Operation | None]]) -> tuple[str, str | None]:
-    """Fold 1/s into an RMSNorm weight when x is that norm's output and feeds only these linears."""
-    producer = x.owner
-    only_ours = all(u is not None and id(u) in consumers for u in users.get(id(x), []))
-    if only_ours and isinstance(producer, Operation) and producer.name == "top.RMSNorm" \
-            and len(producer.operands) == 2:
-        weight = _weight_name(producer.operands[1])
-        if weight is not None:
-            return "norm", weight
-    return "mul", None
 
 
 # ============================================================================ observing the float model
 
 
 class _ObserveInterpreter(Interpreter):
-    """The reference interpreter feeding each site's input (divided by its smoothing factor) to an observer."""
+    """The reference interpreter whose tap feeds each site's input (divided by its smoothing factor) to an
+    observer, and each linear's output to its `<weight>:out` observer when there is one."""
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
                  observers: dict[str, Observer], inv_smooth: Mapping[str, np.ndarray]) -> None:
-        super().__init__(module, weights)
+        super().__init__(module, weights, tap=self._observe)
         self.at_op, self.observers, self.inv_smooth = at_op, observers, inv_smooth
 
-    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    def _observe(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):
-            if site.kind == "input":
-                x = inputs[0]
-            else:
-                x2 = inputs[0].reshape(-1, inputs[0].shape[-1])
-                gate, up = x2 @ inputs[1].T, x2 @ inputs[2].T
+            if site.kind == MLP_HIDDEN:
+                gate, up, x = mlp_hidden(inputs[0], inputs[1], inputs[2], str(step.attrs.get("act", "silu")))
                 self._observe_output(step.op.operands[1], gate)
                 self._observe_output(step.op.operands[2], up)
-                x = mlp_activation(str(step.attrs.get("act", "silu")), gate) * up
+            else:
+                x = inputs[0]
             inv = self.inv_smooth.get(site.key)
             self.observers[site.key].add(x if inv is None else x * inv)
-        results = step.kernel(inputs, step.attrs)
-        if step.op.name == "top.MatMul":
-            self._observe_output(step.op.operands[1], results[0])
-        elif step.op.name == "top.MLP":
-            self._observe_output(step.op.operands[3], results[0])
-        return results
+        result = _result_linear(step.op)
+        if result is not None:
+            self._observe_output(step.op.operands[result.weight], outputs[0])
 
     def _observe_output(self, weight: Value, y: np.ndarray) -> None:
         """Static requantization needs each linear's output range: observers keyed `<weight>:out`, when asked."""
-        name = _weight_name(weight)
+        name = weight_name(weight)
         observer = self.observers.get(f"{name}{OUT}") if name is not None else None
         if observer is not None:
             observer.add(y)
+
+
+def _result_linear(op: Operation) -> Linear | None:
+    """The linear whose output is the op's result: a plain linear op's own; in a fused op (top.MLP) the one that
+    reads the activation computed inside it (down)."""
+    linears = traits_of(op.name).linears
+    if len(linears) == 1:
+        return linears[0]
+    return next((linear for linear in linears if linear.input is None), None)
 
 
 @dataclass
@@ -245,58 +228,50 @@ class _CalibModel:
     at_op: dict[int, list[Site]]
     weights: Callable[[str], np.ndarray]
     seq_len: int
-    source: dict[str, Any] = field(default_factory=dict)  # JSON-able: how a worker sharing no memory rebuilds it
+    source: ProgramSource  # how a worker sharing no memory rebuilds it (the checkpoint is read by path)
+    linears: frozenset[str]
 
 
 def _calib_model(model: Any, seq_len: int, linears: frozenset[str]) -> _CalibModel:
-    spec, family = model.spec, model.family
-    shapes = {name: model.checkpoint.weights.shape(name) for name in model.checkpoint.weights.names()}
-    module = build_program(spec, family, StageConfig(seq_len, seq_len, False, ()), shapes)
-    rope = rope_weights(spec, seq_len)
-    store = model.checkpoint.weights
+    source = program_source(model, seq_len)
+    module, _, _ = build_calibration_program(source, model.family, model.spec)  # fresh: mixed precision rewrites it
+    return _sites_of(module, source, model.spec, model.checkpoint.weights, linears)
+
+
+def _sites_of(module: Module, source: ProgramSource, spec: Any, store: Any, linears: frozenset[str]) -> _CalibModel:
+    rope = rope_weights(spec, source.seq_len)
     sites: list[Site] = []
     at_op: dict[int, list[Site]] = {}
     for i in range(spec.num_layers):
         s, a = find_sites(module[f"block_{i}"], linears)
         sites += s
         at_op.update(a)
-    source = {"checkpoint": str(model.checkpoint.path), "format": model.checkpoint.format, "family": family.name,
-              "seq_len": int(seq_len), "linears": sorted(linears)}
-    return _CalibModel(module, sites, at_op, lambda n: rope[n] if n in rope else store.get(n), seq_len, source)
+    return _CalibModel(module, sites, at_op, lambda n: rope[n] if n in rope else store.get(n), source.seq_len, source,
+                       linears)
 
 
 @dataclass
 class _ObserveJob:
     """What `_observe_task` needs: the float model — the parent's interpreter where tasks share its memory, else
-    how to rebuild it (`_CalibModel.source`: the checkpoint is read by path, as Ray unit workers do) — and, per
-    site, the configuration of the fresh observers a task fills (kind, percentile, bins, histogram range)."""
+    how to rebuild it (`_CalibModel.source` and its linears: the checkpoint is read by path, as Ray unit workers
+    do) — and, per site, the configuration of the fresh observers a task fills (kind, percentile, bins, range)."""
 
     interp: _ObserveInterpreter | None
-    source: dict[str, Any] | None
+    source: tuple[ProgramSource, frozenset[str]] | None
     num_layers: int
     observers: dict[str, tuple[str, float, int, float]]
     inv_smooth: Mapping[str, np.ndarray]
 
 
-_SOURCE_INTERP: dict[str, _ObserveInterpreter] = {}  # a worker's float model, by source (its weights stay loaded)
+_SOURCE_INTERP: dict[Any, _ObserveInterpreter] = {}  # a worker's float model, by source (its weights stay loaded)
 
 
-def _source_interp(source: dict[str, Any]) -> _ObserveInterpreter:
-    import json
-
-    key = json.dumps(source, sort_keys=True)
+def _source_interp(source: ProgramSource, linears: frozenset[str]) -> _ObserveInterpreter:
+    key = (source.key, source.checkpoint, source.format, linears)
     interp = _SOURCE_INTERP.get(key)
     if interp is None:
-        from types import SimpleNamespace
-
-        from topq.core.pipeline import open_checkpoint
-        from topq.core.plugins import get_plugins
-
-        plugins = get_plugins()
-        checkpoint = open_checkpoint(plugins, source["checkpoint"], source["format"])
-        family = plugins.families.get(source["family"])
-        model = SimpleNamespace(checkpoint=checkpoint, family=family, spec=family.normalize(checkpoint.config))
-        cm = _calib_model(model, int(source["seq_len"]), frozenset(source["linears"]))
+        module, _, spec = build_calibration_program(source)
+        cm = _sites_of(module, source, spec, open_weights(source), linears)
         _SOURCE_INTERP.clear()  # one model at a time
         interp = _SOURCE_INTERP[key] = _ObserveInterpreter(cm.module, cm.weights, cm.at_op, {}, {})
     return interp
@@ -307,7 +282,11 @@ def _observe_task(job_handle: Any, windows: np.ndarray) -> dict[str, Observer]:
     from topq.core.executors import resolve
 
     job: _ObserveJob = resolve(job_handle)
-    interp = job.interp if job.interp is not None else _source_interp(job.source)  # type: ignore[arg-type]
+    if job.interp is not None:
+        interp = job.interp
+    else:
+        assert job.source is not None
+        interp = _source_interp(*job.source)
     observers = {key: Observer(kind, percentile, bins, range_max=top or None)
                  for key, (kind, percentile, bins, top) in job.observers.items()}
     interp.observers, interp.inv_smooth = observers, job.inv_smooth
@@ -334,7 +313,7 @@ def _run_float(cm: _CalibModel, interp: _ObserveInterpreter, windows: np.ndarray
             interp.plan(cm.module[name])  # load the weights once here: forked workers share them (copy-on-write)
         job = _ObserveJob(interp, None, num_layers, configs, interp.inv_smooth)
     else:
-        job = _ObserveJob(None, cm.source, num_layers, configs, interp.inv_smooth)
+        job = _ObserveJob(None, (cm.source, cm.linears), num_layers, configs, interp.inv_smooth)
     inline = isinstance(executor, InlineExecutor)
     chunk = 1 if inline else max(1, math.ceil(len(windows) / (4 * max(1, int(executor.jobs)))))
     starts = range(0, len(windows), chunk)
@@ -500,8 +479,11 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
             w = b.op("top.Weight", result_types=[f32(n, k)], name=f"{name}.smoothed")
         return b.op("top.MatMul", x, w, *bias, right_transpose=True, loc=loc)
 
+    planned = _accepts(frozenset(plan.modes))
+
     def matmul(op: Operation, rw: Rewriter) -> bool:
-        name = _is_linear(op, frozenset(plan.modes))
+        use = next(op_linears(op), None)
+        name = use.weight if use is not None and planned(use) else None
         if name is None or name not in site_of:
             return False
         if plan.modes[name] == "bf16" and not _smoothed(name, plan, sites):
@@ -511,12 +493,13 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
         return True
 
     def mlp(op: Operation, rw: Rewriter) -> bool:
-        names = [_weight_name(v) for v in op.operands[1:4]]
-        if not all(n in site_of for n in names):
+        found = [weight_name(v) for v in op.operands[1:4]]
+        names = [n for n in found if n is not None and n in site_of]
+        if len(names) != 3:
             return False
-        if all(plan.modes[n] == "bf16" and not _smoothed(n, plan, sites) for n in names):  # type: ignore[index]
+        if all(plan.modes[n] == "bf16" and not _smoothed(n, plan, sites) for n in names):
             return False  # nothing changes: keep the fused op
-        gate_n, up_n, down_n = names  # type: ignore[misc]
+        gate_n, up_n, down_n = names
         x, wg, wu, wd = op.operands
         b, act = rw.builder, str(op.attrs.get("act", "silu"))
         xs = site_input(rw, x, site_of[gate_n])
@@ -554,7 +537,7 @@ class _MixedInterpreter(Interpreter):
 
     def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
         if step.op.name == "top.MatMulInt8":
-            name = str(step.op.operands[1].owner.attrs["name"])[: -len(".qweight")]  # type: ignore[union-attr]
+            name = str(weight_name(step.op.operands[1]))[: -len(".qweight")]
             if name in self.bf16:
                 w = self._float.get(name)
                 if w is None:  # codes * scale is not the float weight: rebuild it from the smoothed one
@@ -670,26 +653,27 @@ REPORT_WINDOWS = 4  # calibration windows the per-linear error report runs on
 
 
 class _ErrorInterpreter(Interpreter):
-    """The float model, measuring at every planned linear what its int8 (or bf16) form makes of the same input."""
+    """The float model whose tap measures, at every planned linear, what its int8 (or bf16) form makes of the
+    same input."""
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
                  quantized: Callable[[str, np.ndarray], np.ndarray]) -> None:
-        super().__init__(module, weights)
+        super().__init__(module, weights, tap=self._measure)
         self.at_op, self.quantized = at_op, quantized
         self.sums: dict[str, list[float]] = {}  # name → [||Y - Ŷ||², ||Y||²]
 
-    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    def _measure(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):
-            x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            if site.kind == "mlp_hidden":
-                x = mlp_activation(str(step.attrs.get("act", "silu")), x @ inputs[1].T) * (x @ inputs[2].T)
+            if site.kind == MLP_HIDDEN:
+                x = mlp_hidden(inputs[0], inputs[1], inputs[2], str(step.attrs.get("act", "silu")))[2]
+            else:
+                x = inputs[0].reshape(-1, inputs[0].shape[-1])
             for name in site.names:  # a site is seen once, at its first linear: the others read the same input
                 y = x.astype(np.float64) @ np.asarray(self.weights(name), np.float64).T
                 d = y - self.quantized(name, x)
-                sums = self.sums.setdefault(name, [0.0, 0.0])  # type: ignore[arg-type]
+                sums = self.sums.setdefault(name, [0.0, 0.0])
                 sums[0] += float(np.sum(d * d))
                 sums[1] += float(np.sum(y * y))
-        return step.kernel(inputs, step.attrs)
 
 
 def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: np.ndarray,
@@ -741,7 +725,7 @@ def _natural(name: str) -> list[Any]:
 
 def _linear_names(model: Any) -> frozenset[str]:
     """Decoder-layer linears (the lm_head follows quant.lm_head, as for every scheme)."""
-    from topq.core.pipeline import linear_weight_names
+    from topq.ir.analysis import linear_weight_names
 
     head = model.family.global_weights["embed" if model.spec.tie_word_embeddings else "lm_head"]
     return frozenset(n for n in linear_weight_names(model.module) if n != head)
@@ -814,6 +798,8 @@ SCHEME = QuantScheme(
     needs_calibration=True,
     calibrate=calibrate,
     restore=restore,
+    # bf16 everywhere but the int8 linears, whose weights are per-channel 8-bit
+    product=lambda options: SchemeProduct("bf16", (8,), int8_activations=True),
 )
 
 

@@ -28,8 +28,7 @@ from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import code_range, make_quantized, resolve_group_size
-
-OPTIONS = ("bits", "group_size", "symmetric", "lm_head")
+from topq.quant.options import WEIGHT_OPTIONS
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -85,7 +84,7 @@ def _scheme(bits: int, dtype: str) -> QuantScheme:
         description=f"{bits}-bit weight-only round-to-nearest (group-wise, as BM1684X's compiler), {act} activations",
         compute_dtype=dtype,
         weight_bits=bits,
-        options=OPTIONS,
+        options=WEIGHT_OPTIONS,
         quantize=functools.partial(quantize, bits=bits, compute_dtype=dtype),
     )
 

@@ -21,7 +21,7 @@ from topq.core.target import Target
 from topq.plugins.targets.bm1684x.compiler import PROGRAM_VERSION, compile_model
 from topq.plugins.targets.bm1684x.emulator import Emulator, checker_requested
 from topq.plugins.targets.bm1684x.memory import human
-from topq.plugins.targets.bm1684x.modes import MODES
+from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES, refuses
 from topq.plugins.targets.bm1684x.perf import bundle_estimates, perf_entry
 from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec
 
@@ -44,9 +44,9 @@ def open_bundle(bundle: Bundle, chip: ChipSpec, checker: bool | None = None, kv_
     if meta.get("program_version") != PROGRAM_VERSION:
         raise TopqError(f"{bundle.path}: {chip.name} program version {meta.get('program_version')} is not the "
                         f"emulator's {PROGRAM_VERSION}; convert it again")
-    if meta.get("mode") not in MODES:
-        raise TopqError(f"{bundle.path}: mode {meta.get('mode')!r} cannot run on the {chip.name} emulator; "
-                        f"it runs: {', '.join(MODES)}")
+    if meta.get("dtype") not in FLOAT_DTYPES:
+        raise TopqError(f"{bundle.path}: mode {meta.get('mode')!r} computes in {meta.get('dtype')!r}, which the "
+                        f"{chip.name} emulator cannot run; it runs: {', '.join(FLOAT_DTYPES)}")
     if checker is None:
         checker = checker_requested(bundle.recipe)
     return Emulator(bundle.program, bundle.tensor, chip, checker=checker,
@@ -93,7 +93,7 @@ def make_target(chip: ChipSpec) -> ChipTarget:
                     f"f32 accumulation, W4/W8 weight-only",
         compile=functools.partial(compile_model, chip=chip),
         open=functools.partial(open_bundle, chip=chip),
-        schemes=tuple(MODES),
+        refuses=refuses,
         perf=_perf(chip),
         chip=chip,
         report=functools.partial(report, chip=chip),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from topq.core.errors import TopqError
 from topq.ir.parser import parse_module
 from topq.ir.printer import print_module
 from topq.core.target import CompiledModel, CompileJob
@@ -12,7 +13,7 @@ from topq.ir.verifier import verify_module
 from topq.plugins.targets.bm1684x.layer_group import assign_groups
 from topq.plugins.targets.bm1684x.lowering import Lowering
 from topq.plugins.targets.bm1684x.memory import plan_memory
-from topq.plugins.targets.bm1684x.modes import get_mode
+from topq.plugins.targets.bm1684x.modes import mode_of, refuses
 from topq.plugins.targets.bm1684x.spec import ChipSpec
 
 #: bumped when the program's conventions change; an emulator refuses other versions
@@ -20,7 +21,11 @@ PROGRAM_VERSION = 1
 
 
 def compile_model(job: CompileJob, chip: ChipSpec) -> CompiledModel:
-    mode = get_mode(job.scheme.name, chip.name)
+    assert job.product is not None  # CompileJob fills it in
+    problem = refuses(job.product)
+    if problem is not None:
+        raise TopqError(f"target {chip.name} cannot run {problem}")
+    mode = mode_of(job.scheme.name, job.product)
     # A private copy: the pipeline keeps using its Top module (dumps, summaries).
     module = parse_module(print_module(job.module), source="top program")
     lowering = Lowering(job, mode)

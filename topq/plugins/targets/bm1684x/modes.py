@@ -1,4 +1,10 @@
-"""The quantization modes the BM1684X family runs, as data: compute dtype and weight bits per recipe scheme name."""
+"""What the BM1684X family runs, decided from what a scheme produces (`SchemeProduct`), never from its name.
+
+* compute: f32, bf16 or f16 — activations, float weights, scales and the KV cache are stored in it;
+* weights: float (tpu.MatMul), or 4/8-bit weight-only integers of any scheme (tpu.A16MatMul; each weight's
+  layout is checked against the packing by `packing.check_spec`);
+* int8 activations: top.MatMulInt8 → tpu.MatMulInt8 (W8A8).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,10 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from topq.core.errors import TopqError
+from topq.core.quant import SchemeProduct
 
 FLOAT_DTYPES = ("f32", "bf16", "f16")
+WEIGHT_BITS = (4, 8)  # what tpu.A16MatMul packs
 NP_DTYPES: dict[str, np.dtype] = {
     "f32": np.dtype(np.float32),
     "bf16": np.dtype(ml_dtypes.bfloat16),
@@ -19,25 +26,20 @@ NP_DTYPES: dict[str, np.dtype] = {
 
 @dataclass(frozen=True)
 class Mode:
-    name: str
+    name: str  # the recipe's scheme, recorded in the bundle (`bm.mode`, target metadata)
     dtype: str  # activations, float weights and the KV cache are stored in this dtype; MACs take it
-    weight_bits: int = 0  # 0: float weights (tpu.MatMul); 4 or 8: weight-only (tpu.A16MatMul)
 
 
-MODES: dict[str, Mode] = {m.name: m for m in (
-    Mode("f32", "f32"), Mode("bf16", "bf16"), Mode("f16", "f16"),
-    Mode("w8bf16", "bf16", 8), Mode("w4bf16", "bf16", 4), Mode("w8f16", "f16", 8), Mode("w4f16", "f16", 4),
-    # the checkpoint's own 4/8-bit weights (A16MatMul per weight, as its QuantSpec says) with bf16 activations
-    Mode("auto", "bf16"),
-    # calibrated weight-only algorithms: their integers are packed like RTN's (per weight, from its QuantSpec)
-    Mode("gptq", "bf16"), Mode("awq", "bf16"), Mode("autoround", "bf16"),
-    # W8A8: the scheme rewrites its linears to top.MatMulInt8 (→ tpu.MatMulInt8); everything else is bf16
-    Mode("int8", "bf16"),
-)}
+def refuses(product: SchemeProduct) -> str | None:
+    """Why the chip cannot store what a scheme produces (None: it can)."""
+    if product.compute_dtype not in FLOAT_DTYPES:
+        return f"compute dtype {product.compute_dtype} (it computes in {', '.join(FLOAT_DTYPES)})"
+    odd = [bits for bits in product.weight_bits if bits not in WEIGHT_BITS]
+    if odd:
+        return f"{odd[0]}-bit weights (tpu.A16MatMul packs 4- or 8-bit weights)"
+    return None
 
 
-def get_mode(name: str, chip: str = "bm1684x") -> Mode:
-    try:
-        return MODES[name]
-    except KeyError:
-        raise TopqError(f"target {chip} cannot run scheme {name!r}; it runs: {', '.join(MODES)}") from None
+def mode_of(scheme: str, product: SchemeProduct) -> Mode:
+    """The mode a bundle is compiled in: named after the scheme, computing in its product's dtype."""
+    return Mode(scheme, product.compute_dtype)

@@ -25,6 +25,7 @@ One `Calibration` (efficiencies, overheads, DDR fraction) holds for every model 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -101,6 +102,15 @@ def quant_mode(name: str, group_size: int = 64, symmetric: bool = False, bits: i
     if name == "int8":  # W8A8: one scale (dynamic) or multiplier + shift (static) per output channel
         return QuantMode(name, weight_bits, compute, act_bytes, 0, True, requant=not dynamic)
     return QuantMode(name, weight_bits, compute, act_bytes, int(group_size), bool(symmetric))
+
+
+def _compiled_mode(name: str, bundle: Any, group_size: int, symmetric: bool) -> QuantMode:
+    """The mode of a bundle compiled from a scheme the perf model has no entry for: its compute dtype, and the bits
+    of its A16 linears (the first one's; float weights when it has none)."""
+    dtype = str((bundle.meta.get("target_meta") or {}).get("dtype", "bf16"))
+    bits = re.search(r'"tpu\.A16MatMul"\(.*?weight_bits = (\d+)', bundle.program)
+    return QuantMode(name, int(bits.group(1)) if bits else None, dtype, 4 if dtype == "f32" else 2, group_size,
+                     symmetric)
 
 
 def _as_mode(mode: QuantMode | str) -> QuantMode:
@@ -471,9 +481,9 @@ def _build(spec: ModelSpec, family: ModelFamily, stages: StageConfig,
             _MODULES.pop(next(iter(_MODULES)))
         module = build_program(spec, family, stages, shapes=None)
         if kernels:  # the recipe's raw-kernel substitutions, as the pipeline applies them
-            from topq.raw.substitute import apply_kernel_substitutions
+            from topq.core.plugins import get_plugins
 
-            apply_kernel_substitutions(module, [{"replace": r, "with": w} for r, w in kernels])
+            get_plugins().kernel_substitution()(module, [{"replace": r, "with": w} for r, w in kernels])
         _MODULES[key] = module
     return _MODULES[key]
 
@@ -633,8 +643,12 @@ def _bundle_program(bundle: Any, chip: ChipSpec) -> tuple[_Program, QuantMode, Q
     quant_opts = (bundle.recipe or {}).get("quant", {})
     group_size = int(quant_opts.get("group_size", 64))
     symmetric = bool(quant_opts.get("symmetric", False))
-    mode = quant_mode(str(meta.get("scheme", quant_opts.get("scheme", "bf16"))), group_size, symmetric,
-                      quant_opts.get("bits"), bool(quant_opts.get("dynamic_tokens", False)))
+    scheme = str(meta.get("scheme", quant_opts.get("scheme", "bf16")))
+    if scheme in _SCHEMES:
+        mode = quant_mode(scheme, group_size, symmetric, quant_opts.get("bits"),
+                          bool(quant_opts.get("dynamic_tokens", False)))
+    else:  # a third-party scheme: what the compiled program stores tells the mode, not the name
+        mode = _compiled_mode(scheme, bundle, group_size, symmetric)
     head = quant_mode(str(quant_opts.get("lm_head", "bf16")), group_size, symmetric)
     from topq.core.plugins import get_plugins
 

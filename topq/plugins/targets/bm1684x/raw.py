@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 
-import topq.raw  # noqa: F401  (registers the kernel IR ops and top.DSLRegion in the catalogue)
 from topq.core.errors import TopqError
 from topq.ir.graph import Block, Function, Operation, Value, walk_ops
 from topq.ir.rewrite import Rewriter

@@ -9,13 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 import topq
-import topq.raw  # noqa: F401  (registers top.DSLRegion and its host kernel: bundles may contain raw kernels)
 from topq.core.bundle import Bundle
 from topq.ir.interpreter import Interpreter
 from topq.ir.parser import parse_module
 from topq.ir.printer import print_module
 from topq.ir.types import round_to_dtype
-from topq.core.target import CompiledModel, CompileJob, Target
+from topq.core.target import CompiledModel, CompileJob, Target, runs_everything
 
 
 def weight_names(module) -> list[str]:  # type: ignore[no-untyped-def]
@@ -31,11 +30,14 @@ def compile_host(job: CompileJob) -> CompiledModel:
     names = weight_names(job.module)
     types = {op.attrs["name"]: op.results[0].type for f in job.module for op in f.walk() if op.name == "top.Weight"}
 
+    assert job.product is not None  # CompileJob fills it in
+    compute_dtype = job.product.compute_dtype
+
     def produce(wanted):  # type: ignore[no-untyped-def]
         for name in wanted:
             quantized = job.quantized(name)
             array = quantized.dequantize() if quantized is not None else job.weights(name)
-            yield name, round_to_dtype(array, job.scheme.compute_dtype)
+            yield name, round_to_dtype(array, compute_dtype)
 
     return CompiledModel(program=print_module(job.module), manifest={n: types[n] for n in names}, produce=produce)
 
@@ -51,6 +53,7 @@ TARGET = Target(
     description="reference interpreter, float32 numpy (golden reference)",
     compile=compile_host,
     open=HostExecutor,
+    refuses=runs_everything,  # stores any scheme's values: dequantized, in float32
 )
 
 

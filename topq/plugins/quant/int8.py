@@ -22,7 +22,6 @@ recorded in the program's module attribute `topq.int8` (so in the bundle metadat
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping

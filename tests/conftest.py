@@ -2,7 +2,11 @@
 
 Building, converting and opening models is the expensive part of the host-runtime tests, so each model is
 built and converted at most once per test session and shared read-only. A test that mutates a Session
-makes its own (sessions are cheap; bundles are not).
+makes its own (sessions are cheap; bundles are not). A fixture that needs a tiny checkpoint of its own (its
+bundles' recipes name that directory) writes it with `tiny_checkpoint`, which builds each kind once.
+
+Helpers shared by test files are plain modules in tests/helpers (data_paths, host_bundles, smol_model,
+tiny_models, ir_gen, quantized_writers); test files import those, never each other.
 """
 
 from __future__ import annotations

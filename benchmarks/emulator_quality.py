@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[f"{chip}_{scheme}"] = {"perplexity": round(ppl, 4), "tokens": count,
                                     "seconds": round(time.perf_counter() - started, 1)}
     base = rows["host_f32"]["perplexity"]
-    for key, row in rows.items():
+    for row in rows.values():
         row["vs_host_f32"] = f"{(row['perplexity'] / base - 1) * 100:+.2f} %"
     ok = abs(rows["bm1684x_w8bf16"]["perplexity"] / base - 1) <= 0.01
     result = {"text": args.text.name, "windows": args.windows, "window": WINDOW, "rows": rows,

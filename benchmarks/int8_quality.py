@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             row["search"] = doc.get("mixed_precision")
         results.append(row)
         print(f"{label:44s} ppl {ppl:9.3f}  convert {seconds:7.1f} s", file=sys.stderr, flush=True)
-    print(f"\nSmolLM2-135M, calib {args.samples}x{args.seq_len} EMMA, eval {args.eval_windows}x{args.window} Persuasion")
+    print(f"\nSmolLM2-135M, calib {args.samples}x{args.seq_len} EMMA, "
+          f"eval {args.eval_windows}x{args.window} Persuasion")
     print(f"| {'row':44s} | perplexity | convert s |")
     print(f"|{'-' * 46}|-----------:|----------:|")
     for r in results:

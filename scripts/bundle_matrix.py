@@ -5,7 +5,8 @@ Run it before and after a refactor that must not change any bundle, on the same 
     python scripts/bundle_matrix.py --work /tmp/matrix --out before.json        # builds the checkpoints once
     ... change the code ...
     python scripts/bundle_matrix.py --work /tmp/matrix --out after.json
-    python -c "import json,sys; a,b=(json.load(open(f)) for f in sys.argv[1:]); print([k for k in a if a[k]!=b.get(k)])" before.json after.json
+    python -c "import json; a, b = (json.load(open(f)) for f in ('before.json', 'after.json'));
+               print([k for k in a if a[k] != b.get(k)])"
 
 Covers every built-in scheme with its options (RTN, GPTQ with act-order, AWQ, AutoRound, INT8 static / dynamic /
 SmoothQuant / mixed precision, `auto` on GPTQ-like and GGUF checkpoints) on host and bm1684x, with calibration on

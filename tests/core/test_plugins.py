@@ -104,8 +104,8 @@ def test_example_plugin_is_discovered_through_its_entry_point() -> None:
 def test_example_family_builds_the_llama_graph() -> None:
     """The third-party family goes through the same stage template; its block equals the built-in Llama one."""
     require_example_installed()
-    from topq.ir.printer import print_module
     from topq.core.stages import StageConfig, build_program
+    from topq.ir.printer import print_module
     from topq.ir.verifier import verify_module
 
     plugins = build_plugins()

@@ -117,7 +117,7 @@ def test_recipe_is_read_only(workdir: Path) -> None:
     r.stages.decode_chunks.append(99)  # a copy: the recipe does not change
     assert r.stages.decode_chunks == [16]
     with pytest.raises(AttributeError, match="did you mean 'group_size'"):
-        r.quant.gruop_size
+        _ = r.quant.gruop_size
 
 
 # ----------------------------------------------------------------- paths

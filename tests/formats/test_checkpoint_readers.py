@@ -52,7 +52,8 @@ def tiny_llama() -> Any:
 
 
 @pytest.fixture(scope="session")
-def hf_dirs(tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
+def hf_dirs(tiny_llama: Any,
+            tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
     out = {}
     for name, (dtype, shard) in VARIANTS.items():
         d = tmp_path_factory.mktemp(name)

@@ -31,14 +31,14 @@ from quantized_writers import (
 
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
+from topq.io.safetensors import SafetensorsFile, write_safetensors
+from topq.plugins.formats import gguf_file, hf
 from topq.plugins.formats.quantized import (
     QuantizedStore,
     parse_quantization_config,
     to_signed_symmetric,
     unpack_gguf,
 )
-from topq.io.safetensors import SafetensorsFile, write_safetensors
-from topq.plugins.formats import gguf_file, hf
 
 RNG_SEED = 1234
 

@@ -11,9 +11,9 @@ import pytest
 from data_paths import REPO
 from ir_gen import EVERY_KIND_ATTRS, NASTY_STRING, Dims, build_module, op_table_rows
 
+from topq.core.errors import TopqError
 from topq.ir.builder import Builder
 from topq.ir.catalogue import CATALOGUE
-from topq.core.errors import TopqError
 from topq.ir.graph import Function, Module, Operation
 from topq.ir.parser import IRParseError, parse_module
 from topq.ir.printer import print_module
@@ -224,7 +224,8 @@ def test_verifier_catches_use_before_definition(text: str) -> None:
     ops = copy["block_3"].ops
     index, _ = find_op(copy["block_3"], "top.Gather", "layers.3.rope_cos")
     ops[index - 1], ops[index] = ops[index], ops[index - 1]  # the Gather now precedes its table
-    with pytest.raises(VerifyError, match=r'@block_3: op #0 top.Gather loc\("layers.3.rope_cos"\): operand used before'):
+    with pytest.raises(VerifyError,
+                       match=r'@block_3: op #0 top.Gather loc\("layers.3.rope_cos"\): operand used before'):
         verify_module(copy)
 
 

@@ -11,6 +11,12 @@ import numpy as np
 import pytest
 from host_bundles import TinyCheckpoint
 
+from topq.core.checkpoint import tokenizer_files_of
+from topq.core.errors import TopqError
+from topq.core.pipeline import load_model
+from topq.core.recipe import recipe_from_defaults
+from topq.ir.interpreter import Interpreter
+from topq.plugins.quant.awq import _fold
 from topq.quant.calibration import (
     InputStats,
     LayerState,
@@ -19,13 +25,7 @@ from topq.quant.calibration import (
     run_calibration,
     sample_windows,
 )
-from topq.core.checkpoint import tokenizer_files_of
-from topq.core.errors import TopqError
-from topq.ir.interpreter import Interpreter
-from topq.core.pipeline import load_model
 from topq.quant.grid import rtn
-from topq.core.recipe import recipe_from_defaults
-from topq.plugins.quant.awq import _fold
 
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog"]
 

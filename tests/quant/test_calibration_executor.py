@@ -111,8 +111,8 @@ def test_calibrated_bundles_are_identical_for_every_executor(tiny: Path, tmp_pat
     The Ray run also proves its unit workers do not calibrate again: as soon as the converting process has read
     the calibration data, the file is moved away, so a worker that re-ran `prepare`'s calibration (instead of
     loading the stored result) would fail with "calibration data not found"."""
-    from topq.quant import calibration
     from topq.core.pipeline import convert
+    from topq.quant import calibration
 
     out = tmp_path / "model.topq"
     recipe = _recipe(tiny, scheme, out, **QUANT[scheme])

@@ -20,9 +20,9 @@ from topq.ir.int8 import (
     quantize_weight,
     requant_params,
 )
-from topq.quant.observers import Observer, kl_threshold
 from topq.ir.reference_ops import REFERENCE_OPS
 from topq.plugins.quant.int8 import smooth_factors
+from topq.quant.observers import Observer, kl_threshold
 
 AUSTEN = Path("/work/shared/data/austen")
 
@@ -249,12 +249,12 @@ def test_bm1684x_program_with_static_requant_matches_host_bit_exactly() -> None:
     bf16 rounding, bit for bit (the dynamic linear: float dequantization, unchanged)."""
     import ml_dtypes
 
+    from topq.core.plugins import get_plugins
+    from topq.core.target import CompileJob
     from topq.ir.builder import Builder
     from topq.ir.interpreter import Interpreter
     from topq.ir.parser import parse_module
-    from topq.core.plugins import get_plugins
     from topq.ir.printer import print_module
-    from topq.core.target import CompileJob
     from topq.ir.types import TensorType
     from topq.ir.verifier import verify_module
     from topq.plugins.targets.bm1684x.compiler import compile_model

@@ -15,6 +15,9 @@ from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
+from topq.plugins.quant.autoround import _backward, _forward, autoround
+from topq.plugins.quant.awq import awq, awq_clip_search, awq_scale_search
+from topq.plugins.quant.gptq import _upper_inverse_factor, gptq
 from topq.quant.grid import (
     code_range,
     fake_quant,
@@ -24,9 +27,6 @@ from topq.quant.grid import (
     resolve_group_size,
     rtn,
 )
-from topq.plugins.quant.autoround import _backward, _forward, autoround
-from topq.plugins.quant.awq import awq, awq_clip_search, awq_scale_search
-from topq.plugins.quant.gptq import _upper_inverse_factor, gptq
 
 AUSTEN = Path("/work/shared/data/austen")
 

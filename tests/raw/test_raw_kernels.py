@@ -18,15 +18,15 @@ from data_paths import REPO
 from smol_model import smol_path
 
 import topq.core.plugins
-from topq.ir.builder import Builder
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
-from topq.ir.interpreter import Interpreter
-from topq.ir.parser import parse_module
 from topq.core.plugins import build_plugins
-from topq.ir.printer import print_module
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
+from topq.ir.builder import Builder
+from topq.ir.interpreter import Interpreter
+from topq.ir.parser import parse_module
+from topq.ir.printer import print_module
 from topq.ir.types import TensorType
 from topq.ir.verifier import verify_module
 from topq.raw import InOut, Input, Num, exp, kernel, raw_call, rsqrt

@@ -18,20 +18,25 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
 import topq
+from topq.core.calibration_result import CalibrationResult, save_calibration
+from topq.core.checkpoint import WeightStore
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor
-from topq.ir.printer import print_function
-from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
 from topq.core.target import CompiledModel
+from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
+from topq.ir.printer import print_function
+
+if TYPE_CHECKING:
+    from topq.core.pipeline import LoadedModel
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 GLOBAL_UNIT = "globals"
@@ -62,16 +67,13 @@ def default_cache_dir() -> Path:
 class Prepared:
     """One process's view of a conversion: the loaded model and the target's compiled program."""
 
-    model: Any  # pipeline.LoadedModel
+    model: LoadedModel
     compiled: CompiledModel
     recipe: dict[str, Any]
     quant_report: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    calibration: Any = None  # what the scheme's calibration returned (a CalibrationResult, or {})
+    #: what the scheme's calibration returned (empty for schemes that do not calibrate)
+    calibration: CalibrationResult = dataclasses.field(default_factory=CalibrationResult)
     calibration_file: str | None = None  # where that result is stored for workers that cannot inherit it
-
-
-#: conversions prepared in this process, by recipe key; forked workers inherit the parent's entry
-_PREPARED: dict[str, Prepared] = {}
 
 
 def recipe_key(recipe: dict[str, Any]) -> str:
@@ -80,47 +82,24 @@ def recipe_key(recipe: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
 
 
-def remember(prepared: Prepared) -> None:
-    _PREPARED[recipe_key(prepared.recipe)] = prepared
-
-
-def _prepared(recipe: dict[str, Any], calibration_file: str | None = None) -> Prepared:
-    key = recipe_key(recipe)
-    if calibration_file is not None:  # one conversion's calibration: a later one may calibrate differently
-        key = f"{key}:{calibration_file}"
-    if key not in _PREPARED:
-        # A worker that did not fork from the parent (Ray): rebuild the same program, loading the parent's
-        # calibration result (if any) instead of calibrating again.
-        from topq.core.pipeline import prepare
-        from topq.core.recipe import Recipe
-
-        _PREPARED.clear()  # one conversion at a time per worker: do not keep earlier models alive
-        _PREPARED[key] = prepare(Recipe.from_dict(recipe, source="<build task>"), calibration_file=calibration_file)
-    return _PREPARED[key]
-
-
 def store_calibration(prepared: Prepared, cache_dir: Path | None) -> Path | None:
-    """Store the calibration result for workers that do not share this process's memory (`_prepared` loads it);
-    return the directory to delete after the conversion (None: nothing to store)."""
-    result = prepared.calibration
-    if not result and not any(getattr(result, a, None) for a in ("float_weights", "report", "state")):
+    """Store the calibration result for workers that do not share this process's memory (`pipeline.compile_unit`
+    loads it); return the directory to delete after the conversion (None: nothing to store)."""
+    if prepared.calibration.empty:
         return None
-    from topq.quant.calibration import save_calibration
-
     parent = None
     if cache_dir is not None:  # the cache is where workers already read and write (a shared file system)
         parent = cache_dir / "calibration"
         parent.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="topq-calibration-", dir=parent))
     path = directory / "calibration.safetensors"
-    save_calibration(result, path)
+    save_calibration(prepared.calibration, path)
     prepared.calibration_file = str(path)
     return directory
 
 
-def compile_unit(recipe: dict[str, Any], names: list[str], out_path: str, calibration_file: str | None = None) -> str:
-    """A build task: produce the tensors `names` and store them at `out_path` (atomically)."""
-    prepared = _prepared(recipe, calibration_file)
+def write_unit(prepared: Prepared, names: list[str], out_path: str) -> str:
+    """Produce the tensors `names` of a prepared conversion and store them at `out_path` (atomically)."""
     types = prepared.compiled.manifest
     manifest = [(n, types[n].np_dtype, types[n].shape) for n in names]
     digests = {f"sha256:{n}": "0" * 64 for n in names}  # fixed width: the header is rewritten in place
@@ -131,15 +110,18 @@ def compile_unit(recipe: dict[str, Any], names: list[str], out_path: str, calibr
     return out_path
 
 
+#: A build task (run by an executor, maybe in another process): (recipe dict, tensor names, output path,
+#: calibration file) → output path. The pipeline supplies it, because a worker may have to prepare the conversion.
+UnitTask = Callable[[dict[str, Any], list[str], str, str | None], str]
+
+
 # ---------------------------------------------------------------------------------------------- keys
 
 
-def _fingerprint(store: Any, name: str | None) -> str:
+def _fingerprint(store: WeightStore, name: str | None) -> str:
     if name is None or name not in store:
         return "synthesised"
-    if hasattr(store, "fingerprint"):
-        return str(store.fingerprint(name))
-    return hashlib.sha256(store.get_raw(name).tobytes()).hexdigest()
+    return store.fingerprint(name)
 
 
 def _file_fingerprint(path: str | None) -> str:
@@ -188,7 +170,7 @@ def _unit_damage(path: Path, names: Sequence[str], manifest: dict[str, Any]) -> 
         array = unit.get_raw(name)
         if array.dtype != manifest[name].np_dtype or tuple(array.shape) != tuple(manifest[name].shape):
             return f"tensor {name} has the wrong type"
-        digest = hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
+        digest = hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data).hexdigest()
         if digest != unit.metadata.get(f"sha256:{name}"):
             return f"tensor {name} does not match its checksum"
     return None
@@ -214,9 +196,10 @@ class BuildStats:
 
 
 def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path | None, progress: bool,
-                   stats: BuildStats) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Iterator[tuple[str, TensorData]]]:
-    """(manifest in bundle order, the tensors to stream). Builds missing units first; without a cache and in
-    this process, tensors stream straight from the compiler."""
+                   stats: BuildStats, task: UnitTask,
+                   ) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Iterator[tuple[str, TensorData]]]:
+    """(manifest in bundle order, the tensors to stream). Builds missing units first (each with `task`); without a
+    cache and in this process, tensors stream straight from the compiler."""
     manifest = prepared.compiled.manifest
     units = split_units(list(manifest))
     order = [(n, manifest[n].np_dtype, manifest[n].shape) for names in units.values() for n in names]
@@ -236,7 +219,7 @@ def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path |
     todo = [unit for unit in units if not _reusable(paths[unit], units[unit], manifest)]
     stats.built, stats.reused = len(todo), len(units) - len(todo)
     tasks = [(prepared.recipe, units[unit], str(paths[unit]), prepared.calibration_file) for unit in todo]
-    for _ in tqdm(executor.map(compile_unit, tasks), total=len(tasks), desc=f"compile units ({executor.name})",
+    for _ in tqdm(executor.map(task, tasks), total=len(tasks), desc=f"compile units ({executor.name})",
                   unit="unit", disable=not progress or not tasks):
         pass
 

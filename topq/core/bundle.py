@@ -26,7 +26,7 @@ FORMAT_VERSION = 1
 
 
 def _tensor_digest(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8)).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data).hexdigest()
 
 
 def _meta_metadata(doc: dict[str, Any]) -> dict[str, str]:

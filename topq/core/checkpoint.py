@@ -7,8 +7,10 @@ Hugging Face fast tokenizer (so it can travel inside a bundle without pickle).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +19,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from topq.core.errors import TopqError
+from topq.core.quant import QuantizedWeight
 
 if TYPE_CHECKING:
     from topq.core.quant import QuantizedWeight
 
 __all__ = [
+    "WEIGHT_STORE_METHODS",
+    "BaseWeightStore",
     "Checkpoint",
     "CheckpointFormat",
     "QuantizedWeightStore",
@@ -34,7 +39,9 @@ __all__ = [
 
 @runtime_checkable
 class WeightStore(Protocol):
-    """Lazy, read-only access to a checkpoint's tensors by Hugging Face name."""
+    """Lazy, read-only access to a checkpoint's tensors by Hugging Face name.
+
+    Readers derive their stores from `BaseWeightStore`, which gives the last three methods their defaults."""
 
     def names(self) -> list[str]:
         """All tensor names, in file order."""
@@ -57,6 +64,57 @@ class WeightStore(Protocol):
     def get_raw(self, name: str) -> np.ndarray:
         """The stored array without conversion (read-only; GGUF quant blocks as uint8 rows)."""
         ...
+
+    def read_raw(self, name: str) -> np.ndarray | None:
+        """The stored array as a private copy read without a memory map, when the store can do that cheaply
+        (float tensors then stream at their stored size); None: the caller converts `get(name)` instead."""
+        ...
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        """The integer form the checkpoint stores for a linear (pre-quantized checkpoints, GGUF Q4_0 / Q8_0);
+        None for a tensor without one. The `auto` scheme keeps it."""
+        ...
+
+    def fingerprint(self, name: str) -> str:
+        """A string that changes whenever the tensor's stored bytes change (build-cache keys)."""
+        ...
+
+
+#: the methods `WeightStore` declares (named in the error for a store that lacks some)
+WEIGHT_STORE_METHODS: tuple[str, ...] = (
+    "names", "shape", "dtype", "__contains__", "get", "get_raw", "read_raw", "quantized", "fingerprint")
+
+
+class BaseWeightStore(ABC):
+    """What a reader implements for a `WeightStore`; the optional parts default to "not available"."""
+
+    @abstractmethod
+    def names(self) -> list[str]: ...
+
+    @abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    @abstractmethod
+    def dtype(self, name: str) -> str: ...
+
+    @abstractmethod
+    def __contains__(self, name: object) -> bool: ...
+
+    @abstractmethod
+    def get(self, name: str) -> np.ndarray: ...
+
+    @abstractmethod
+    def get_raw(self, name: str) -> np.ndarray: ...
+
+    def read_raw(self, name: str) -> np.ndarray | None:
+        return None  # no cheap private read: callers convert `get(name)`
+
+    def quantized(self, name: str) -> QuantizedWeight | None:
+        return None  # a float checkpoint
+
+    def fingerprint(self, name: str) -> str:
+        # Hashing the bytes is always right; stores that know their files do it without reading them.
+        return hashlib.sha256(self.get_raw(name).tobytes()).hexdigest()
 
 
 @runtime_checkable

@@ -110,6 +110,7 @@ def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool,
     # Text prompts need the tokenizer; --prompt-ids uses it to show text when the bundle has one.
     tokenizer = loaded.tokenizer if prompt is not None or loaded.meta.get("tokenizer") else None
     if prompt is not None:
+        assert tokenizer is not None  # chosen just above for a text prompt
         if use_chat:
             ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -289,8 +290,8 @@ def ir() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 def ir_check(file: str) -> None:
     """Parse and verify FILE, then print it in canonical form (like mlir-opt)."""
-    from topq.ir.parser import parse_module
     from topq.core.plugins import get_plugins
+    from topq.ir.parser import parse_module
     from topq.ir.printer import print_module
     from topq.ir.verifier import verify_module
 
@@ -302,6 +303,41 @@ def ir_check(file: str) -> None:
     module = parse_module(text, source=file)
     verify_module(module)
     click.echo(print_module(module), nl=False)
+
+
+# ------------------------------------------------------------------------------------------ export
+@cli.command()
+@click.argument("kind")
+@click.argument("source", type=click.Path(exists=True, dir_okay=False))
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--tool", "--tpu-mlir", "tool", metavar="PYTHON",
+              help="The other tool's Python (for tpu-mlir: a venv from scripts/setup-tpu-mlir.sh; "
+                   "default $TOPQ_TPU_MLIR). Without it only the files are written.")
+@click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="An exporter option (repeatable).")
+@click.option("--jobs", type=click.IntRange(min=1), help="Parallel tool runs (default: the core count).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
+def export(kind: str, source: str, directory: str, tool: str | None, options: tuple[str, ...], jobs: int | None,
+           as_json: bool) -> None:
+    """Export the model of SOURCE (a recipe or a bundle) as KIND (e.g. tpu-mlir) into DIRECTORY."""
+    import os
+
+    from topq.core.exporter import ExportRequest
+    from topq.core.plugins import get_plugins
+
+    exporter = get_plugins().exporters.get(kind)
+    pairs: dict[str, str] = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise TopqError(f"--option must be KEY=VALUE, got {item!r}")
+        pairs[key] = value
+    request = ExportRequest(source=Path(source), out_dir=Path(directory), tool=tool, options=pairs,
+                            jobs=jobs or os.cpu_count() or 1, progress=not as_json)
+    summary = exporter.export(request)
+    if as_json:
+        _emit_json(summary)
+    else:
+        click.echo(f"wrote {summary.get('output', directory)}")
 
 
 # ------------------------------------------------------------------------------------------ plugins
@@ -319,9 +355,9 @@ def plugins(as_json: bool) -> None:
     if as_json:
         _emit_json({"plugins": rows, "scheme_options": schemes})
         return
-    for row in rows:
-        click.echo(f"{row['name']}  ({row['source']})")
-        for kind, names in row["registered"].items():
+    for info in loaded.info:
+        click.echo(f"{info.name}  ({info.source})")
+        for kind, names in info.registered.items():
             click.echo(f"    {kind}: {', '.join(names)}")
     click.echo("scheme options (quant.<name>):")
     for scheme, options in schemes.items():

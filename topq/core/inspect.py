@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from topq.core.bundle import Bundle
-from topq.ir.parser import parse_module
 from topq.core.plugins import get_plugins
+from topq.ir.parser import parse_module
 
 
 def describe(bundle: Bundle) -> dict[str, Any]:
@@ -31,9 +31,8 @@ def describe(bundle: Bundle) -> dict[str, Any]:
         "quant_report": bundle.meta.get("quant_report") or [],
     }
     target = get_plugins().targets.get(bundle.target)
-    report = getattr(target, "report", None)
-    if report is not None:
-        info.update(report(bundle))
+    if target.report is not None:
+        info.update(target.report(bundle))
     return info
 
 

@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,26 +23,25 @@ from topq.core.build import (
     Prepared,
     bundle_tensors,
     default_cache_dir,
-    remember,
+    recipe_key,
     store_calibration,
+    write_unit,
 )
 from topq.core.bundle import write_bundle
-from topq.core.checkpoint import Checkpoint
+from topq.core.calibration_result import CalibrationResult, load_calibration
+from topq.core.checkpoint import WEIGHT_STORE_METHODS, Checkpoint, CheckpointFormat, WeightStore
 from topq.core.errors import TopqError
 from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
-# linear_weight_names is re-exported: callers import it from here
-from topq.ir.analysis import linear_weight_names
-from topq.ir.graph import Module
 from topq.core.plugins import Plugins, get_plugins
-from topq.ir.printer import print_function
-from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct
-from topq.ir.types import round_to_dtype
-from topq.quant.grid import resolve_group_size
+from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct, resolve_group_size
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.core.target import CompileJob, Target
-from topq.ir.types import ELEMENT_TYPES
+from topq.ir.analysis import linear_weight_names  # re-exported: callers import it from here
+from topq.ir.graph import Module
+from topq.ir.printer import print_function
+from topq.ir.types import ELEMENT_TYPES, round_to_dtype
 from topq.ir.verifier import verify_module
 
 
@@ -51,11 +50,22 @@ def open_checkpoint(plugins: Plugins, path: str | Path, fmt: str = "auto") -> Ch
     if not path.exists():
         raise TopqError(f"checkpoint not found: {path}")
     if fmt != "auto":
-        return plugins.formats.get(fmt).open(path)
+        return _checked(plugins.formats.get(fmt), path)
     for candidate in plugins.formats:
         if candidate.detect(path):
-            return candidate.open(path)
-    raise TopqError(f"{path}: not a checkpoint any format recognises (known formats: {', '.join(plugins.formats.names())})")
+            return _checked(candidate, path)
+    raise TopqError(f"{path}: not a checkpoint any format recognises "
+                    f"(known formats: {', '.join(plugins.formats.names())})")
+
+
+def _checked(fmt: CheckpointFormat, path: Path) -> Checkpoint:
+    """The format's checkpoint, refused in one line when its weight store lacks part of the contract."""
+    checkpoint = fmt.open(path)
+    if not isinstance(checkpoint.weights, WeightStore):
+        missing = [m for m in WEIGHT_STORE_METHODS if not hasattr(checkpoint.weights, m)]
+        raise TopqError(f"checkpoint format {fmt.name}: its weight store lacks {', '.join(missing)} "
+                        f"(derive it from topq.core.checkpoint.BaseWeightStore)")
+    return checkpoint
 
 
 @dataclass
@@ -75,8 +85,10 @@ class LoadedModel:
         """The weight in a float storage dtype; read as stored when it already is that dtype."""
         store = self.checkpoint.weights
         target = ELEMENT_TYPES[dtype]
-        if name not in self.extra_weights and hasattr(store, "read_raw") and store.dtype(name) == target.name:
-            return store.read_raw(name)
+        if name not in self.extra_weights and store.dtype(name) == target.name:
+            stored = store.read_raw(name)
+            if stored is not None:
+                return stored
         return round_to_dtype(self.weight(name), dtype).astype(target)
 
 
@@ -116,7 +128,7 @@ class Quantizer:
     lm_head_scheme: QuantScheme
     options: dict[str, Any]
     linear_names: frozenset[str]
-    precomputed: Mapping[str, QuantizedWeight]
+    precomputed: CalibrationResult
 
     @property
     def lm_head_name(self) -> str:
@@ -142,7 +154,7 @@ class Quantizer:
     def report(self) -> list[dict[str, Any]]:
         """Per quantized linear, the relative output error on the calibration inputs (calibrated schemes; RTN
         schemes when the recipe gives calibration data)."""
-        return list(getattr(self.precomputed, "report", []) or [])
+        return list(self.precomputed.report)
 
     @functools.cache  # noqa: B019 - one Quantizer per conversion
     def spec(self, name: str) -> QuantSpec | None:
@@ -167,19 +179,18 @@ def _takes_executor(fn: Callable[..., Any]) -> bool:
 
 
 def calibrate_scheme(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
-                     executor: TaskExecutor | None = None) -> Mapping[str, QuantizedWeight]:
-    """The scheme's calibration result ({} for schemes that do not calibrate). A scheme with `calibrate` gets the
-    executor if its calibrate takes one (see QuantScheme); a weight-by-weight scheme (RTN) given calibration data
-    gets the per-linear error report (`quantization_report`)."""
+                     executor: TaskExecutor | None = None) -> CalibrationResult:
+    """The scheme's calibration result (empty for schemes that do not calibrate). A scheme with `calibrate` gets
+    the executor if its calibrate takes one (see QuantScheme); a weight-by-weight scheme (RTN) given calibration
+    data gets the per-linear error report (`QuantScheme.error_report`)."""
     if scheme.calibrate is not None:
         if executor is not None and _takes_executor(scheme.calibrate):
-            return scheme.calibrate(model, recipe, executor=executor)
-        return scheme.calibrate(model, recipe)
-    if scheme.quantize is not None and scheme.weight_bits and recipe.quant.calibration.data is not None:
-        from topq.quant.calibration import quantization_report
-
-        return quantization_report(model, recipe, scheme, executor)
-    return {}
+            return CalibrationResult.of(scheme.calibrate(model, recipe, executor=executor))
+        return CalibrationResult.of(scheme.calibrate(model, recipe))
+    if (scheme.error_report is not None and scheme.quantize is not None and scheme.weight_bits
+            and recipe.quant.calibration.data is not None):
+        return CalibrationResult.of(scheme.error_report(model, recipe, scheme, executor))
+    return CalibrationResult()
 
 
 def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_names: frozenset[str],
@@ -188,16 +199,14 @@ def make_quantizer(model: LoadedModel, recipe: Recipe, plugins: Plugins, linear_
     calibrating again (a Ray worker)."""
     scheme = plugins.schemes.get(recipe.quant.scheme)
     if calibration_file is not None:
-        from topq.quant.calibration import load_calibration
-
-        precomputed: Mapping[str, QuantizedWeight] = load_calibration(calibration_file)
+        precomputed = load_calibration(calibration_file)
         if scheme.restore is not None:
             scheme.restore(model, recipe, precomputed)
     else:
         precomputed = calibrate_scheme(model, recipe, scheme, executor)
     # Algorithms may rewrite float tensors too (AWQ folds its scales into the preceding norms and biases);
     # those replace the checkpoint's tensors for everything that follows.
-    model.extra_weights.update(getattr(precomputed, "float_weights", {}) or {})
+    model.extra_weights.update(precomputed.float_weights)
     return Quantizer(model, scheme, plugins.schemes.get(recipe.quant.lm_head), recipe.to_dict()["quant"],
                      linear_names, precomputed)
 
@@ -253,8 +262,33 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor
         dump_ir(Path(dump_dir), target.name, compiled.program)
     prepared = Prepared(model, compiled, recipe.to_dict(), quantizer.report(), quantizer.precomputed,
                         calibration_file)
-    remember(prepared)
+    _remember(prepared)
     return prepared
+
+
+#: conversions prepared in this process, by recipe key; forked workers inherit the parent's entry
+_PREPARED: dict[str, Prepared] = {}
+
+
+def _remember(prepared: Prepared) -> None:
+    _PREPARED[recipe_key(prepared.recipe)] = prepared
+
+
+def _prepared(recipe: dict[str, Any], calibration_file: str | None = None) -> Prepared:
+    key = recipe_key(recipe)
+    if calibration_file is not None:  # one conversion's calibration: a later one may calibrate differently
+        key = f"{key}:{calibration_file}"
+    if key not in _PREPARED:
+        # A worker that did not fork from the parent (Ray): rebuild the same program, loading the parent's
+        # calibration result (if any) instead of calibrating again.
+        _PREPARED.clear()  # one conversion at a time per worker: do not keep earlier models alive
+        _PREPARED[key] = prepare(Recipe.from_dict(recipe, source="<build task>"), calibration_file=calibration_file)
+    return _PREPARED[key]
+
+
+def compile_unit(recipe: dict[str, Any], names: list[str], out_path: str, calibration_file: str | None = None) -> str:
+    """A build task (`build.UnitTask`): produce the tensors `names` and store them at `out_path` (atomically)."""
+    return write_unit(_prepared(recipe, calibration_file), names, out_path)
 
 
 def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True, jobs: int | None = 1,
@@ -303,7 +337,7 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
     # Workers that do not inherit this process (Ray) load the calibration result instead of recomputing it.
     stored = None if runner.shares_memory else store_calibration(prepared, cache_dir)
     try:
-        manifest, tensors = bundle_tensors(prepared, runner, cache_dir, progress, stats)
+        manifest, tensors = bundle_tensors(prepared, runner, cache_dir, progress, stats, compile_unit)
         runner.close()  # every unit is built; reaping the workers also counts their peak RSS in the phase report
         phases.mark("units")
         write_bundle(output, manifest, tqdm(tensors, total=len(manifest), desc="write bundle", unit="tensor",

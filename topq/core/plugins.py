@@ -12,14 +12,17 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import pluggy
 
 from topq.core import hookspecs
+from topq.core.checkpoint import CheckpointFormat
 from topq.core.errors import TopqError, UnknownNameError
-from topq.core.quant import merge_options
-from topq.core.recipe import CORE_SCHEMA, Schema, recipe_schema
+from topq.core.exporter import Exporter
+from topq.core.family import ModelFamily
+from topq.core.quant import Option, QuantScheme, merge_options
+from topq.core.target import Target
 from topq.ir.extension import IRExtension, KernelSubstitution, install_extension
 
 BUILTIN_PLUGINS: tuple[str, ...] = (
@@ -38,6 +41,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.targets.host",
     "topq.plugins.targets.bm1684x",
     "topq.raw.plugin",
+    "topq.plugins.targets.onnx",
+    "topq.plugins.exporters.tpu_mlir",
 )
 
 #: hook name → registry kind
@@ -47,9 +52,17 @@ HOOKS: dict[str, str] = {
     "register_quant_schemes": "quant scheme",
     "register_targets": "target",
     "register_ir_extensions": "IR extension",
+    "register_exporters": "exporter",
 }
 
-T = TypeVar("T")
+class Named(Protocol):
+    """What every registered item has: the name recipes and the CLI use for it."""
+
+    @property
+    def name(self) -> str: ...
+
+
+T = TypeVar("T", bound=Named)
 
 
 class Registry(Generic[T]):
@@ -95,23 +108,26 @@ class PluginInfo:
 @dataclass
 class Plugins:
     manager: pluggy.PluginManager
-    families: Registry[Any]
-    formats: Registry[Any]
-    schemes: Registry[Any]
-    targets: Registry[Any]
+    families: Registry[ModelFamily]
+    formats: Registry[CheckpointFormat]
+    schemes: Registry[QuantScheme]
+    targets: Registry[Target]
     info: list[PluginInfo]
-    #: the recipe schema: the core's keys plus every loaded scheme's options
-    recipe_schema: Schema = field(default_factory=lambda: dict(CORE_SCHEMA))
+    #: every loaded scheme's recipe options, each once (the recipe schema adds them to the core's keys)
+    scheme_options: tuple[Option, ...] = ()
     ir_extensions: Registry[IRExtension] = field(default_factory=lambda: Registry("IR extension"))
+    exporters: Registry[Exporter] = field(default_factory=lambda: Registry("exporter"))
 
     def registry(self, hook: str) -> Registry[Any]:
-        return {
+        registries: dict[str, Registry[Any]] = {
             "register_model_families": self.families,
             "register_checkpoint_formats": self.formats,
             "register_quant_schemes": self.schemes,
             "register_targets": self.targets,
             "register_ir_extensions": self.ir_extensions,
-        }[hook]
+            "register_exporters": self.exporters,
+        }
+        return registries[hook]
 
     def kernel_substitution(self) -> KernelSubstitution:
         """What applies a recipe's `kernels:` section: the one registered IR extension that offers it."""
@@ -163,18 +179,22 @@ def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
         registry = plugins.registry(hook)
         # Call each implementation on its own so we know which plugin registered what.
         for impl in reversed(getattr(manager.hook, hook).get_hookimpls()):
-            owner = impl.plugin_name
-
-            def register(item: Any, owner: str = owner) -> None:
-                registry.register(item, owner)
-                info[owner].registered.setdefault(kind, []).append(item.name)
-
-            impl.function(register=register)
+            impl.function(register=_registrar(registry, kind, info[impl.plugin_name]))
     # Two schemes declaring one option differently stop here, when plugins load, not when a recipe is read.
-    plugins.recipe_schema = recipe_schema((o.name, o.spec) for o in merge_options(plugins.schemes))
+    plugins.scheme_options = merge_options(plugins.schemes)
     for extension in plugins.ir_extensions:  # their ops and kernels are needed from here on
         install_extension(extension)
     return plugins
+
+
+def _registrar(registry: Registry[Any], kind: str, plugin: PluginInfo) -> hookspecs.Register[Any]:
+    """The `register` callback one plugin's hook implementation receives."""
+
+    def register(item: Any, /) -> None:
+        registry.register(item, plugin.name)
+        plugin.registered.setdefault(kind, []).append(item.name)
+
+    return register
 
 
 _PLUGINS: Plugins | None = None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.core.recipe import Field
+from topq.io.schema import Field
 
 if TYPE_CHECKING:
     from topq.core.checkpoint import WeightStore
@@ -55,7 +55,8 @@ def _describe(spec: Field) -> str:
     """A declaration in a few words: "int, default 64, >= -1"."""
     parts = [spec.type + (" or null" if spec.nullable else ""), f"default {spec.default!r}"]
     parts += [f"one of {'/'.join(spec.choices)}"] if spec.choices else []
-    parts += [f"{op} {bound:g}" for op, bound in ((">=", spec.ge), (">", spec.gt), ("<=", spec.le)) if bound is not None]
+    bounds = ((">=", spec.ge), (">", spec.gt), ("<=", spec.le))
+    parts += [f"{op} {bound:g}" for op, bound in bounds if bound is not None]
     return ", ".join(parts) + (f", help {spec.help!r}" if spec.help else "")
 
 
@@ -127,7 +128,7 @@ class QuantScheme:
     `quantize(weight, options)` returns a QuantizedWeight for one linear weight [N, K] (round-to-nearest schemes).
     `calibrate(model, recipe, *, executor)` (schemes that need data: GPTQ, AWQ, AutoRound, INT8) runs the float
     model on the recipe's calibration data and returns {weight name: QuantizedWeight} plus anything it wants in the
-    bundle (a `topq.quant.calibration.CalibrationResult`: `float_weights`, `report`, `state`). `executor` is the
+    bundle (a `topq.core.calibration_result.CalibrationResult`: `float_weights`, `report`, `state`). `executor` is the
     conversion's `topq.core.executors.TaskExecutor`, for the per-sample work (`run_calibration` uses it); the
     pipeline passes it only to a `calibrate` that declares an `executor` parameter (or **kwargs), so two-argument
     calibrate functions keep working, in this process.
@@ -138,6 +139,10 @@ class QuantScheme:
     re-applies in the worker whatever else `calibrate` did to the model (int8 rewrites the program from the plan
     in `state`). A scheme whose calibrate changes the model in other ways and has no `restore` cannot be
     distributed exactly.
+
+    `error_report(model, recipe, scheme, executor)`, for a weight-by-weight scheme (`quantize`, no `calibrate`), is
+    run when the recipe gives calibration data: a CalibrationResult without values whose `report` lists each
+    linear's output error on that data (the RTN schemes use `topq.quant.calibration.quantization_report`).
     """
 
     name: str
@@ -150,6 +155,7 @@ class QuantScheme:
     calibrate: Callable[..., Mapping[str, QuantizedWeight]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     restore: Callable[[Any, Any, Any], None] | None = None
+    error_report: Callable[[Any, Any, QuantScheme, Any], Mapping[str, QuantizedWeight]] | None = None
     product: Callable[[Mapping[str, Any]], SchemeProduct] | None = None
     stored: Callable[[WeightStore, str], QuantizedWeight | None] | None = None
 
@@ -158,3 +164,12 @@ class QuantScheme:
         if self.product is not None:
             return self.product(options)
         return SchemeProduct(self.compute_dtype, () if self.weight_bits is None else (self.weight_bits,))
+
+
+def resolve_group_size(group_size: int | None, k: int, what: str = "weight") -> int:
+    """The effective group size for input size `k`: 0, -1 or None mean one group per row (per channel)."""
+    if group_size is None or group_size <= 0:
+        return k
+    if k % group_size:
+        raise TopqError(f"quant.group_size {group_size} does not divide the input size {k} of {what}")
+    return int(group_size)

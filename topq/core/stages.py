@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from topq.ir.builder import Builder
 from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec
+from topq.ir.builder import Builder
 from topq.ir.graph import Module, Value
 from topq.ir.reference_ops import rope_tables
 from topq.ir.types import tensor
@@ -170,7 +170,8 @@ def named_weight(b: Builder, name: str, shape: tuple[int, ...], shapes: Mapping[
 
 
 def rope_inv_freq(spec: ModelSpec) -> tuple[np.ndarray, float]:
-    """inv_freq and attention scaling for the spec's rope type (default, linear, llama3), as transformers computes them."""
+    """inv_freq and attention scaling for the spec's rope type (default, linear, llama3), as transformers computes
+    them."""
     dim = spec.rope_dim
     inv_freq = 1.0 / (np.float32(spec.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     inv_freq = inv_freq.astype(np.float32)
@@ -246,7 +247,8 @@ def build_program(spec: ModelSpec, family: ModelFamily, config: StageConfig,
 
 
 def _build_block_function(b: Builder, spec: ModelSpec, family: ModelFamily, stage: Stage, layer: int,
-                          length: int, history: int, shapes: Mapping[str, tuple[int, ...]] | None, seq_length: int) -> None:
+                          length: int, history: int, shapes: Mapping[str, tuple[int, ...]] | None,
+                          seq_length: int) -> None:
     H, KVH, D = spec.hidden_size, spec.num_kv_heads, spec.head_dim
     inputs = [tensor(1, length, H), tensor(1, length, dtype="i32")]
     if stage.with_history:

@@ -13,9 +13,8 @@ from topq.ir.types import TensorType
 if TYPE_CHECKING:
     from topq.core.bundle import Bundle
     from topq.core.family import ModelSpec
-    from topq.ir.graph import Module
     from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct
-    from topq.ir.types import round_to_dtype
+    from topq.ir.graph import Module
 
 
 @dataclass
@@ -45,8 +44,7 @@ class CompileJob:
         if self.product is None:
             self.product = self.scheme.produces(self.quant_options)
         if self.weight_in is None:
-            from topq.ir.types import round_to_dtype
-            from topq.ir.types import ELEMENT_TYPES
+            from topq.ir.types import ELEMENT_TYPES, round_to_dtype
 
             self.weight_in = lambda name, dtype: round_to_dtype(self.weights(name), dtype).astype(ELEMENT_TYPES[dtype])
 
@@ -101,3 +99,6 @@ class Target:
     open: Callable[[Bundle], Executor]
     refuses: Callable[[SchemeProduct], str | None] = float_only
     perf: Callable[..., Any] | None = None
+    #: what `topq inspect` adds for this target's bundles (memory map, layer groups, predicted speed): keys merged
+    #: into the JSON description, and optional `text_sections` (list of str) printed after the tables
+    report: Callable[[Bundle], dict[str, Any]] | None = None

@@ -109,7 +109,10 @@ class SafetensorsFile:
     def _parse_entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
         if not isinstance(info, dict):
             raise self._bad(f"tensor {name!r}: entry is not an object")
-        tag, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        # Untrusted JSON: Any until the checks below have seen each value's type.
+        tag: Any = info.get("dtype")
+        shape: Any = info.get("shape")
+        offsets: Any = info.get("data_offsets")
         if tag not in DTYPES:
             raise self._bad(f"tensor {name!r}: unsupported dtype {tag!r}")
         ok_shape = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
@@ -286,7 +289,7 @@ class SafetensorsWriter:
                 raise TopqError(f"{self.path}: tensor {name} is {data.dtype}{list(data.shape)}, the manifest says "
                                 f"{np.dtype(dtype)}{list(shape)}")
             raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-            digest.update(raw)
+            digest.update(raw.data)
             self._fh.write(raw.data)
         return digest.hexdigest()
 

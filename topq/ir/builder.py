@@ -16,12 +16,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import topq.ir.top_ops  # noqa: F401  (registers the Top dialect)
 from topq.ir.catalogue import lookup_op
 from topq.ir.errors import TopqError
 from topq.ir.graph import Block, Function, Module, Operation, Region, Value
 from topq.ir.types import Type
-
-import topq.ir.top_ops  # noqa: F401  (registers the Top dialect)
 
 
 class _Dialect:

@@ -54,7 +54,7 @@ def token_scales(x: np.ndarray) -> np.ndarray:
     return np.where(absmax > 0, absmax / F32(QMAX), F32(1)).astype(F32)
 
 
-def quantize_act(x: np.ndarray, scale: np.ndarray | float) -> np.ndarray:
+def quantize_act(x: np.ndarray, scale: np.ndarray | np.floating | float) -> np.ndarray:
     """int8 codes (as float32) of x with a broadcastable float32 scale: clamp(round(x / scale), ±127)."""
     q = np.asarray(x, dtype=F32) / np.asarray(scale, dtype=F32)
     return np.clip(round_half_away(q), -QMAX, QMAX)

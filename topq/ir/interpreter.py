@@ -71,7 +71,7 @@ class Interpreter:
         array = self._weight_cache.get(name)
         if array is None:
             array = self.weights(name)
-            expected = op.results[0].type.shape
+            expected = op.results[0].shape
             if tuple(array.shape) != tuple(expected):
                 raise TopqError(f"weight {name} has shape {list(array.shape)}, the program expects {list(expected)}")
             self._weight_cache[name] = array
@@ -120,8 +120,8 @@ class Interpreter:
             raise TopqError(f"@{name} takes {len(plan.inputs)} inputs, got {len(inputs)}")
         env: list[Any] = [None] * plan.num_slots
         for s, value, arg in zip(plan.inputs, inputs, function.args):
-            if tuple(value.shape) != arg.type.shape:
-                raise TopqError(f"@{name}: input of shape {list(value.shape)}, expected {list(arg.type.shape)}")
+            if tuple(value.shape) != arg.shape:
+                raise TopqError(f"@{name}: input of shape {list(value.shape)}, expected {list(arg.shape)}")
             env[s] = value
         for s, value in plan.constants.items():
             env[s] = value

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import struct
+from typing import NoReturn
 
 from topq.ir.errors import TopqError
 from topq.ir.graph import Attr, Block, Function, Module, Operation, Region, Value
@@ -81,12 +82,12 @@ class _Parser:
         self.values: dict[str, Value] = {}
 
     # -- token helpers -------------------------------------------------------------------------
-    def fail_at(self, pos: int, message: str) -> None:
+    def fail_at(self, pos: int, message: str) -> NoReturn:
         line = self.text.count("\n", 0, pos) + 1
         column = pos - (self.text.rfind("\n", 0, pos) + 1) + 1
         raise IRParseError(message, line, column, self.source)
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str) -> NoReturn:
         self.fail_at(self.starts[self.i], message)
 
     def peek(self, offset: int = 0) -> str:
@@ -226,7 +227,8 @@ class _Parser:
         if result_name is None and result_types:
             self.fail_at(self.starts[op_start], f"{name} has results but no name for them")
         if result_name is not None and len(result_types) != count:
-            self.fail_at(self.starts[op_start], f"{name}: {count} result name(s) for {len(result_types)} result type(s)")
+            self.fail_at(self.starts[op_start],
+                         f"{name}: {count} result name(s) for {len(result_types)} result type(s)")
         op = Operation(name, operands, result_types, attrs, regions, loc)
         if result_name is not None:
             if result_name in self.values:

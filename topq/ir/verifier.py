@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+# Importing the Top dialect registers its ops; target dialects register theirs when their plugin loads.
+import topq.ir.top_ops  # noqa: F401
 from topq.ir.catalogue import CATALOGUE, REQUIRED, InferError, OpDef
 from topq.ir.errors import TopqError
 from topq.ir.graph import Block, Function, Module, Operation
-
-# Importing the Top dialect registers its ops; target dialects register theirs when their plugin loads.
-import topq.ir.top_ops  # noqa: F401
 
 
 class VerifyError(TopqError):

@@ -36,12 +36,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
+from topq.core.calibration_result import CalibrationResult, load_calibration, save_calibration
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
-from topq.ir.analysis import linear_uses, producer, weight_name
-from topq.ir.interpreter import Interpreter, Step
-from topq.ir.graph import Function, Module, Operation, Value
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
+from topq.core.stages import rope_weights
+from topq.ir.analysis import linear_uses, producer, weight_name
+from topq.ir.graph import Function, Operation, Value
+from topq.ir.interpreter import Interpreter, Step
+from topq.ir.reference_ops import mlp_hidden
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
@@ -49,12 +52,9 @@ from topq.quant.grid import (
     quantize_groups,
     resolve_group_size,
 )
-from topq.ir.reference_ops import mlp_hidden
 from topq.quant.options import ACT_DTYPE, WEIGHT_OPTIONS, act_dtype
 from topq.quant.program import ProgramSource, calibration_program, program_source
 from topq.quant.sites import INPUT, FoldTarget, group_sites
-from topq.io.safetensors import SafetensorsFile, write_safetensors
-from topq.core.stages import rope_weights
 
 if TYPE_CHECKING:
     from topq.core.pipeline import LoadedModel
@@ -241,77 +241,6 @@ class InputStats:
 # ================================================================================ layer state
 
 
-class CalibrationResult(dict[str, QuantizedWeight]):
-    """{linear weight name: QuantizedWeight} (what `QuantScheme.calibrate` returns), plus:
-
-    * `float_weights`: {name: float32 array} — non-quantized tensors the algorithm rewrote (AWQ folds its
-      per-channel scales into the RMSNorm weights and into biases); they replace the checkpoint's tensors.
-    * `report`: per linear, the calibration-set output error of plain RTN and of the algorithm.
-    * `state`: anything else (JSON-able) a scheme's `restore` needs to redo its other changes to the model in a
-      worker that loads this result instead of calibrating (int8: the plan).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.float_weights: dict[str, np.ndarray] = {}
-        self.report: list[dict[str, Any]] = []
-        self.state: dict[str, Any] = {}
-
-
-_STORE_KEY = "topq_calibration"
-_STORE_FORMAT = 1
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON-able")
-
-
-def save_calibration(result: Mapping[str, QuantizedWeight], path: str | Path) -> None:
-    """Store a calibration result — quantized values, `float_weights`, `report`, `state` — in one safetensors file
-    (arrays exactly as they are, the rest as JSON in its metadata), atomically. No pickle."""
-    tensors: list[tuple[str, np.ndarray]] = []
-    quantized: dict[str, dict[str, Any]] = {}
-    for name, qw in result.items():
-        tensors += [(f"q:{name}:codes", np.ascontiguousarray(qw.codes)),
-                    (f"q:{name}:scales", np.ascontiguousarray(qw.scales)),
-                    (f"q:{name}:zeros", np.ascontiguousarray(qw.zeros))]
-        if qw.g_idx is not None:
-            tensors.append((f"q:{name}:g_idx", np.ascontiguousarray(qw.g_idx)))
-        quantized[name] = {"bits": int(qw.bits), "group_size": int(qw.group_size), "symmetric": bool(qw.symmetric),
-                           "g_idx": qw.g_idx is not None}
-    floats = dict(getattr(result, "float_weights", None) or {})
-    tensors += [(f"f:{name}", np.ascontiguousarray(array)) for name, array in floats.items()]
-    doc = {"format": _STORE_FORMAT, "quantized": quantized, "float_weights": list(floats),
-           "report": list(getattr(result, "report", None) or []), "state": dict(getattr(result, "state", None) or {})}
-    write_safetensors(path, tensors, {_STORE_KEY: json.dumps(doc, default=_json_default)})
-
-
-def load_calibration(path: str | Path) -> CalibrationResult:
-    """The result `save_calibration` stored (arrays are private copies, identical to the saved ones)."""
-    file = SafetensorsFile(path)
-    try:
-        doc = json.loads(file.metadata[_STORE_KEY])
-        if doc.get("format") != _STORE_FORMAT:
-            raise ValueError(f"format {doc.get('format')}")
-        result = CalibrationResult()
-        for name, info in doc["quantized"].items():
-            g_idx = file.read(f"q:{name}:g_idx") if info["g_idx"] else None
-            result[name] = QuantizedWeight(file.read(f"q:{name}:codes"), file.read(f"q:{name}:scales"),
-                                           file.read(f"q:{name}:zeros"), int(info["bits"]), int(info["group_size"]),
-                                           bool(info["symmetric"]), g_idx)
-        for name in doc["float_weights"]:
-            result.float_weights[name] = file.read(f"f:{name}")
-        result.report = list(doc["report"])
-        result.state = dict(doc["state"])
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise TopqError(f"{path}: not a topq calibration file ({type(exc).__name__}: {exc})") from None
-    return result
-
-
 class LayerState:
     """The model's weights as calibration changes them: quantized linears, rewritten float tensors.
 
@@ -408,7 +337,10 @@ class LayerState:
             error = float(output_error(w, w_eff, h).sum())
             # ||X Wᵀ||² over the same inputs: the errors below are relative Frobenius norms of the outputs
             reference = float(output_error(w, np.zeros_like(w), h).sum())
-            rel = (lambda e, reference=reference: float(np.sqrt(e / reference)) if reference > 0 else 0.0)
+
+            def rel(e: float, reference: float = reference) -> float:
+                return float(np.sqrt(e / reference)) if reference > 0 else 0.0
+
             self.result.report.append({"name": name, "rtn_error": rel(rtn_error), "error": rel(error),
                                        "ratio": error / rtn_error if rtn_error > 0 else 0.0})
 
@@ -660,7 +592,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
         for layer, layer_plans in enumerate(plans):
             reads = _weights_read(module[f"block_{layer}"])
 
-            def step(group: int | None) -> _LayerStep:
+            def step(group: int | None, layer: int = layer, reads: list[str] = reads) -> _LayerStep:
                 return _LayerStep(uuid.uuid4().hex, source, layer, group,
                                   {n: state.current_weight(n) for n in reads})
 

@@ -2,7 +2,8 @@
 
 One convention everywhere (what `QuantizedWeight.dequantize` expects):
 
-* asymmetric: codes in [0, 2^b - 1], scale = (max - min) / (2^b - 1), zero = round(-min / scale), w ≈ (code - zero) * scale.
+* asymmetric: codes in [0, 2^b - 1], scale = (max - min) / (2^b - 1), zero = round(-min / scale),
+  w ≈ (code - zero) * scale.
   The group range is widened to include 0 (min ≤ 0 ≤ max), as GPTQ and AutoRound do, so the zero point is always a
   valid code and an all-positive group cannot lose its small values.
 * symmetric: codes in [-2^(b-1), 2^(b-1) - 1], zero = 0, scale = absmax / (2^(b-1) - 1): the largest magnitude maps to
@@ -19,19 +20,10 @@ import dataclasses
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.core.quant import QuantizedWeight
+from topq.core.quant import QuantizedWeight, resolve_group_size
 
 #: a group whose range is zero (all zeros) gets this scale: codes stay at the zero point and dequantize to 0.
 TINY_SCALE = 1e-12
-
-
-def resolve_group_size(group_size: int | None, k: int, what: str = "weight") -> int:
-    """The effective group size for input size `k`: 0, -1 or None mean one group per row (per channel)."""
-    if group_size is None or group_size <= 0:
-        return k
-    if k % group_size:
-        raise TopqError(f"quant.group_size {group_size} does not divide the input size {k} of {what}")
-    return int(group_size)
 
 
 def check_bits(bits: int) -> int:

@@ -5,14 +5,15 @@ and the interpreter for library code that uses raw kernels before (or without) l
 from __future__ import annotations
 
 from topq.ir.extension import IRExtension, install_extension
-from topq.raw.kernel_ops import KERNEL_OPS
-from topq.raw.region import DSL_REGION, DSL_REGION_OP, DSLRegionKernel
+from topq.raw.kernel_ops import KERNEL_IR
+from topq.raw.region import REGION_IR
 from topq.raw.substitute import apply_kernel_substitutions
 
+#: everything raw adds, as the raw plugin registers it (its parts install themselves where they are needed)
 RAW = IRExtension(
     name="raw",
-    ops=(*KERNEL_OPS, DSL_REGION_OP),
-    region_kernels={DSL_REGION: DSLRegionKernel()},
+    ops=(*KERNEL_IR.ops, *REGION_IR.ops),
+    region_kernels=REGION_IR.region_kernels,
     substitute_kernels=apply_kernel_substitutions,
 )
 

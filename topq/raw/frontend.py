@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from topq.ir.builder import Builder
 from topq.core.errors import TopqError
+from topq.ir.builder import Builder
 from topq.ir.graph import Block, Operation, Region, Value
 from topq.ir.types import ScalarType, TensorType, Type, TypeParseError, parse_type
 from topq.raw.annotations import ANNOTATIONS, Param, ParamKind

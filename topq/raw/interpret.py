@@ -285,7 +285,7 @@ class BlockExecutor:
         active = parts[len(arrays)]
         picked = [p[active] for p in parts]
         index = picked[:len(arrays)]
-        for d, (i, dim) in enumerate(zip(index, buf.shape)):
+        for i, dim in zip(index, buf.shape):
             bad = (i < 0) | (i >= dim)
             if bad.any():
                 k = int(np.argmax(bad))

@@ -23,12 +23,14 @@ from typing import Any
 import numpy as np
 
 from topq.core.errors import TopqError
+from topq.ir.extension import install_extension
 from topq.ir.graph import Block, Function, Module
 from topq.ir.printer import print_module
 from topq.ir.types import DYNAMIC, ScalarType, TensorType, Type, dtype_name
 from topq.raw.annotations import Param, ParamKind
 from topq.raw.frontend import KernelSource, Lowering, parse_params, read_source
 from topq.raw.interpret import BlockExecutor
+from topq.raw.kernel_ops import KERNEL_IR
 
 
 @dataclass
@@ -50,9 +52,8 @@ class Kernel:
         self.inputs = [p for p in self.params if p.kind is ParamKind.INPUT]
         self.nums = [p for p in self.params if p.kind is ParamKind.NUM]
         self._cache: dict[tuple[Any, ...], Specialisation] = {}
-        from topq.raw.extension import install  # (here: the extension module imports this one)
-
-        install()  # lowering builds kernel IR ops: they must be in the catalogue, even before plugins load
+        install_extension(KERNEL_IR)  # lowering builds kernel IR ops: they must be in the catalogue, even before
+        # plugins load
         # Lower once with every `?` set to 1 so unsupported constructs are reported where the kernel is defined.
         placeholder = {p.name: _placeholder(p.type) for p in self.params if p.is_tensor}
         self.lower(placeholder, {p.name: 0 for p in self.nums}, [p.name for p in self.params if p.is_tensor])

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from topq.ir.catalogue import NO_TRAITS, AttrSpec, InferError, InferFn, OpDef, op_def
+from topq.ir.extension import IRExtension
 from topq.ir.types import ScalarType, TensorType, Type
 
 A = AttrSpec
@@ -157,3 +158,7 @@ _op("arith.sitofp", 1, infer=_cast, doc="signed integer → float")
 MATH_FUNCTIONS = ("exp", "log", "sqrt", "rsqrt", "tanh", "absf", "erf")
 for _name in MATH_FUNCTIONS:
     _op(f"math.{_name}", 1, infer=_float_op)
+
+
+#: The kernel IR ops as an IR extension of their own: lowering a kernel installs it (before plugins load, too).
+KERNEL_IR = IRExtension("raw-kernel-ops", ops=tuple(KERNEL_OPS))

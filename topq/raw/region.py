@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from topq.core.errors import TopqError
 from topq.ir.builder import Builder
 from topq.ir.catalogue import CATALOGUE, NO_TRAITS, AttrSpec, InferError, op_def
-from topq.core.errors import TopqError
+from topq.ir.extension import IRExtension, install_extension
 from topq.ir.graph import Operation, Region, Value
 from topq.ir.rewrite import Pattern, Rewriter
 from topq.ir.types import TensorType, Type
@@ -58,9 +59,7 @@ def raw_call(b: Builder, kernel: Kernel, outputs: Sequence[Value], inputs: Seque
     `outputs` are the initial contents of the kernel's InOut parameters (in order), `inputs` feed its Input
     parameters (in order), keywords give its Num parameters. Shapes must be static and match the annotations.
     """
-    from topq.raw.extension import install  # (here: the extension module imports this one)
-
-    install()  # top.DSLRegion must be in the catalogue
+    install_extension(REGION_IR)  # top.DSLRegion must be in the catalogue
     where = f"raw_call({kernel.ref})"
     if len(outputs) != len(kernel.inouts) or len(inputs) != len(kernel.inputs):
         raise TopqError(f"{where}: the kernel takes {len(kernel.inouts)} InOut and {len(kernel.inputs)} Input "
@@ -136,3 +135,7 @@ def replacement_table(op_name: str, kernel: Kernel) -> dict[str, list[Pattern]]:
     if not any(p.kind is ParamKind.INOUT for p in kernel.params):
         raise TopqError(f"{kernel.ref} has no InOut parameter")
     return {op_name: [replacement_pattern(kernel)]}
+
+
+#: `top.DSLRegion` and its host kernel as an IR extension of their own: `raw_call` installs it.
+REGION_IR = IRExtension("raw-region", ops=(DSL_REGION_OP,), region_kernels={DSL_REGION: DSLRegionKernel()})

@@ -16,8 +16,8 @@ import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from topq.ir.catalogue import lookup_op
 from topq.core.errors import TopqError
+from topq.ir.catalogue import lookup_op
 from topq.ir.graph import Module, Operation
 from topq.ir.rewrite import Pattern, Rewriter, apply_patterns
 from topq.raw.kernel import Kernel

@@ -7,7 +7,7 @@ from it). It imports only the public `topq.core` API, never another plugin.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import topq
@@ -18,8 +18,9 @@ from topq.core.family import (
     ModelSpec,
     normalize_llama_like,
 )
-from topq.ir.graph import Value
+from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
+from topq.ir.graph import Value
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,5 @@ FAMILY = ModelFamily(
 
 
 @topq.hookimpl
-def register_model_families(register: Callable[[ModelFamily], None]) -> None:
+def register_model_families(register: Register[ModelFamily]) -> None:
     register(FAMILY)

@@ -9,12 +9,12 @@ own entry point (`example-raw`), so the plain `example-llama` family stays exact
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import topq
 from topq.core.family import ModelFamily
-from topq.ir.graph import Value
+from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
+from topq.ir.graph import Value
 from topq.raw import InOut, Input, exp, kernel, raw_call
 from topq_example_plugin import FAMILY
 
@@ -53,5 +53,5 @@ FAMILY_RAW = dataclasses.replace(
 
 
 @topq.hookimpl
-def register_model_families(register: Callable[[ModelFamily], None]) -> None:
+def register_model_families(register: Register[ModelFamily]) -> None:
     register(FAMILY_RAW)

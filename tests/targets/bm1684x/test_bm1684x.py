@@ -17,14 +17,14 @@ from host_bundles import TinyCheckpoint
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
 from topq.core.inspect import describe
-from topq.ir.graph import Function, Module
-from topq.ir.parser import parse_module
 from topq.core.pipeline import convert, linear_weight_names, load_model, make_quantizer
 from topq.core.plugins import get_plugins
-from topq.ir.printer import print_module
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
 from topq.core.target import CompileJob
+from topq.ir.graph import Function, Module
+from topq.ir.parser import parse_module
+from topq.ir.printer import print_module
 from topq.plugins.targets.bm1684x import TARGETS, make_target, open_bundle
 from topq.plugins.targets.bm1684x.emulator import Emulator
 from topq.plugins.targets.bm1684x.packing import dequantize, pack
@@ -441,7 +441,8 @@ def test_model_exceeding_ddr_reports_sizes(tiny: Any, tmp_path: Path) -> None:
     with pytest.raises(TopqError) as info:
         make_target(small).compile(compile_job(tiny[1], "bf16", tmp_path))
     assert re.fullmatch(r"model does not fit tinychip DDR: needs [\d.]+ KiB \(weights [\d.]+ KiB, KV cache "
-                        r"[\d.]+ KiB, activations [\d.]+ KiB\), the chip has 256.0 KiB", str(info.value)), str(info.value)
+                        r"[\d.]+ KiB, activations [\d.]+ KiB\), the chip has 256.0 KiB", str(info.value)), \
+        str(info.value)
 
 
 def test_bundles_for_another_chip_or_mode_are_refused(bundle: Callable[..., Bundle]) -> None:
@@ -494,7 +495,8 @@ def test_lean_kernels_equal_the_reference_bit_for_bit() -> None:
         attrs = {"mode": mode}
         np.testing.assert_array_equal(rope([x, cos, sin], attrs)[0], REFERENCE_OPS["top.Rope"]([x, cos, sin], attrs)[0])
     h, w = rng.normal(size=(1, 5, 96)).astype(np.float32), rng.normal(size=96).astype(np.float32)
-    np.testing.assert_array_equal(rmsnorm([h, w], {"eps": 1e-5})[0], REFERENCE_OPS["top.RMSNorm"]([h, w], {"eps": 1e-5})[0])
+    np.testing.assert_array_equal(rmsnorm([h, w], {"eps": 1e-5})[0],
+                                  REFERENCE_OPS["top.RMSNorm"]([h, w], {"eps": 1e-5})[0])
 
 
 @pytest.mark.parametrize(("kind", "quant"), [("qwen2", {"scheme": "w4bf16"}), ("qwen3", {"scheme": "bf16"}),

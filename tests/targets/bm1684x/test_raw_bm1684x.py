@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from smol_model import SMOL_RECIPE_PATH
 
-from topq.ir.builder import Builder
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
-from topq.ir.graph import Function, Module
-from topq.ir.parser import parse_module
 from topq.core.plugins import get_plugins
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
 from topq.core.target import CompileJob
+from topq.ir.builder import Builder
+from topq.ir.graph import Function, Module
+from topq.ir.parser import parse_module
 from topq.ir.types import TensorType
 from topq.plugins.targets.bm1684x import open_bundle
 from topq.plugins.targets.bm1684x.compiler import compile_model

@@ -9,8 +9,6 @@ is applied to raw quantized rows too: a block never spans two rows, so it is los
 
 from __future__ import annotations
 
-import topq
-
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -18,8 +16,10 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from topq.core.checkpoint import Checkpoint, CheckpointFormat, normalize_rope, tokenizer_files_of
+import topq
+from topq.core.checkpoint import BaseWeightStore, Checkpoint, CheckpointFormat, normalize_rope, tokenizer_files_of
 from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight
 from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
 
@@ -43,7 +43,8 @@ _BLOCK_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
-_PLAIN_NP = {"F32": "float32", "F16": "float16", "F64": "float64", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64"}
+_PLAIN_NP = {"F32": "float32", "F16": "float16", "F64": "float64",
+             "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64"}
 
 
 def gguf_to_hf_name(name: str) -> str:
@@ -76,7 +77,7 @@ def _f32_literal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-class GGUFStore:
+class GGUFStore(BaseWeightStore):
     """WeightStore over a GGUF file; tensors are dequantized lazily, one at a time."""
 
     def __init__(self, path: Path, reader: Any, entries: dict[str, _Entry]) -> None:
@@ -287,5 +288,5 @@ FORMAT = CheckpointFormat("gguf", detect, open_checkpoint)
 
 
 @topq.hookimpl
-def register_checkpoint_formats(register) -> None:  # type: ignore[no-untyped-def]
+def register_checkpoint_formats(register: Register[CheckpointFormat]) -> None:
     register(FORMAT)

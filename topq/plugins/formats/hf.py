@@ -15,6 +15,7 @@ import numpy as np
 
 import topq
 from topq.core.checkpoint import (
+    BaseWeightStore,
     Checkpoint,
     CheckpointFormat,
     WeightStore,
@@ -22,15 +23,16 @@ from topq.core.checkpoint import (
     tokenizer_files_of,
 )
 from topq.core.errors import TopqError
-from topq.plugins.formats.quantized import QuantizedStore, read_quantization_config
+from topq.core.hookspecs import Register
 from topq.io.safetensors import SafetensorsFile
+from topq.plugins.formats.quantized import QuantizedStore, read_quantization_config
 
 __all__ = ["FORMAT", "SafetensorsStore", "detect", "open_checkpoint"]
 
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class SafetensorsStore:
+class SafetensorsStore(BaseWeightStore):
     """A WeightStore over one or more safetensors files (a sharded checkpoint)."""
 
     def __init__(self, files: list[SafetensorsFile], where: Path) -> None:
@@ -40,7 +42,8 @@ class SafetensorsStore:
         for f in files:
             for name in f.names():
                 if name in self._owner:
-                    raise TopqError(f"{where}: tensor {name!r} is in both {self._owner[name].path.name} and {f.path.name}")
+                    raise TopqError(f"{where}: tensor {name!r} is in both {self._owner[name].path.name} "
+                                    f"and {f.path.name}")
                 self._owner[name] = f
 
     def _file(self, name: str) -> SafetensorsFile:
@@ -183,5 +186,5 @@ FORMAT = CheckpointFormat("hf", detect, open_checkpoint)
 
 
 @topq.hookimpl
-def register_checkpoint_formats(register) -> None:  # type: ignore[no-untyped-def]
+def register_checkpoint_formats(register: Register[CheckpointFormat]) -> None:
     register(FORMAT)

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from topq.core.checkpoint import WeightStore
+from topq.core.checkpoint import BaseWeightStore, WeightStore
 from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
 from topq.quant.grid import to_signed_symmetric  # re-exported: the unpackers' callers use it from here
@@ -543,7 +543,7 @@ class _Layer:
     parts: dict[str, str]  # role -> stored tensor name
 
 
-class QuantizedStore:
+class QuantizedStore(BaseWeightStore):
     """A WeightStore over a pre-quantized checkpoint that looks like a float one.
 
     Each packed linear (``<prefix>.qweight`` & co. or ``<prefix>.weight_packed`` & co.) appears as

@@ -7,8 +7,9 @@ from typing import Any
 
 import topq
 from topq.core.family import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, ModelFamily, ModelSpec, normalize_llama_like
-from topq.ir.graph import Value
+from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
+from topq.ir.graph import Value
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
@@ -34,5 +35,5 @@ FAMILY = ModelFamily(
 
 
 @topq.hookimpl
-def register_model_families(register) -> None:  # type: ignore[no-untyped-def]
+def register_model_families(register: Register[ModelFamily]) -> None:
     register(FAMILY)

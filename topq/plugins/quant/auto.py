@@ -7,10 +7,9 @@ k-quants) are dequantized, and the conversion warns naming those types.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import topq
 from topq.core.checkpoint import QuantizedWeightStore, WeightStore
+from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight, QuantScheme, SchemeProduct
 from topq.quant.grid import signed_if_offset_symmetric
 
@@ -21,7 +20,6 @@ def stored(weights: WeightStore, name: str) -> QuantizedWeight | None:
         return None
     q = weights.quantized(name)
     return signed_if_offset_symmetric(q) if q is not None else None
-
 
 SCHEME = QuantScheme(
     "auto",
@@ -35,5 +33,5 @@ SCHEME = QuantScheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register: Callable[[QuantScheme], None]) -> None:
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

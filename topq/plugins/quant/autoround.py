@@ -25,9 +25,10 @@ import numpy as np
 from tqdm import tqdm
 
 import topq
-from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
-from topq.core.quant import Option, QuantizedWeight
+from topq.core.hookspecs import Register
+from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
+from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.quant.grid import (
     TINY_SCALE,
     check_bits,
@@ -180,5 +181,5 @@ SCHEME = calibration_scheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

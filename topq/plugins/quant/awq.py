@@ -21,15 +21,16 @@ from typing import Any
 import numpy as np
 
 import topq
+from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
+from topq.core.quant import Option, QuantizedWeight, QuantScheme
+from topq.core.recipe import Field
 from topq.quant.calibration import (
     FoldTarget,
     GroupInputs,
     LayerState,
     calibration_scheme,
 )
-from topq.core.errors import TopqError
-from topq.core.quant import Option, QuantizedWeight
-from topq.core.recipe import Field
 from topq.quant.grid import (
     check_bits,
     fake_quant,
@@ -172,5 +173,5 @@ SCHEME = calibration_scheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

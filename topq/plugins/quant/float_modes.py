@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import topq
+from topq.core.hookspecs import Register
 from topq.core.quant import QuantScheme
 
 SCHEMES = (
@@ -13,6 +14,6 @@ SCHEMES = (
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     for scheme in SCHEMES:
         register(scheme)

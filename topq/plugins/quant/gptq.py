@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 
 import topq
-from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.core.errors import TopqError
-from topq.core.quant import Option, QuantizedWeight
+from topq.core.hookspecs import Register
+from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
+from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.quant.grid import (
     check_bits,
     make_quantized,
@@ -159,5 +160,5 @@ SCHEME = calibration_scheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

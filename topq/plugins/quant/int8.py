@@ -35,21 +35,21 @@ from tqdm import tqdm
 
 import topq
 from topq.core.errors import TopqError
-from topq.ir.int8 import QMAX, quantize_weight
-from topq.ir.analysis import LinearUse, op_linears, weight_name
-from topq.ir.catalogue import Linear, traits_of
-from topq.ir.interpreter import Interpreter, Step
-from topq.ir.graph import Function, Module, Operation, Value
-from topq.quant.observers import Observer
+from topq.core.hookspecs import Register
 from topq.core.quant import Option, QuantScheme, SchemeProduct
 from topq.core.recipe import Field
-from topq.quant.program import ProgramSource, build_calibration_program, open_weights, program_source
-from topq.quant.sites import MLP_HIDDEN, shared_input_sites
-from topq.ir.types import round_to_dtype
+from topq.core.stages import rope_weights
+from topq.ir.analysis import LinearUse, op_linears, weight_name
+from topq.ir.catalogue import Linear, traits_of
+from topq.ir.graph import Function, Module, Operation, Value
+from topq.ir.int8 import QMAX, quantize_weight
+from topq.ir.interpreter import Interpreter, Step
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_hidden
 from topq.ir.rewrite import Rewriter, apply_patterns
-from topq.core.stages import rope_weights
-from topq.ir.types import TensorType
+from topq.ir.types import TensorType, round_to_dtype
+from topq.quant.observers import Observer
+from topq.quant.program import ProgramSource, build_calibration_program, open_weights, program_source
+from topq.quant.sites import MLP_HIDDEN, shared_input_sites
 
 OPTIONS = (
     Option("observer", Field("str", "minmax", choices=("minmax", "percentile", "kl"),
@@ -803,5 +803,5 @@ SCHEME = QuantScheme(
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     register(SCHEME)

@@ -10,7 +10,8 @@ float32, per group of `group_size` weights along K:
 
 `round` is C's `std::round` (halves away from zero), not numpy's half-to-even. An asymmetric group whose range is
 zero (a constant c) would divide by zero: it gets the scale |c| (1 for an all-zero group), so c is code - zp = ±1
-(0) times its scale and dequantizes to c as stored; an all-zero symmetric group gets scale 1 and codes 0. The compiler stores the scales in the compute dtype, so the returned scales are already rounded to it: the
+(0) times its scale and dequantizes to c as stored; an all-zero symmetric group gets scale 1 and codes 0. The
+compiler stores the scales in the compute dtype, so the returned scales are already rounded to it: the
 values here are exactly what the chip multiplies by, and the host target's dequantized weights match the chip's
 bit for bit. Storage layout (packing) is the target's business.
 """
@@ -25,8 +26,10 @@ import numpy as np
 
 import topq
 from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight, QuantScheme
 from topq.ir.types import round_to_dtype
+from topq.quant.calibration import quantization_report
 from topq.quant.grid import code_range, make_quantized, resolve_group_size
 from topq.quant.options import WEIGHT_OPTIONS
 
@@ -86,6 +89,7 @@ def _scheme(bits: int, dtype: str) -> QuantScheme:
         weight_bits=bits,
         options=WEIGHT_OPTIONS,
         quantize=functools.partial(quantize, bits=bits, compute_dtype=dtype),
+        error_report=quantization_report,
     )
 
 
@@ -93,6 +97,6 @@ SCHEMES = tuple(_scheme(bits, dtype) for dtype in ("bf16", "f16") for bits in (8
 
 
 @topq.hookimpl
-def register_quant_schemes(register) -> None:  # type: ignore[no-untyped-def]
+def register_quant_schemes(register: Register[QuantScheme]) -> None:
     for scheme in SCHEMES:
         register(scheme)

@@ -17,6 +17,7 @@ from typing import Any
 import topq
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
 from topq.core.target import Target
 from topq.plugins.targets.bm1684x.compiler import PROGRAM_VERSION, compile_model
 from topq.plugins.targets.bm1684x.emulator import Emulator, checker_requested
@@ -28,10 +29,9 @@ from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec
 
 @dataclass(frozen=True)
 class ChipTarget(Target):
-    """A Target that also describes its bundles for `topq inspect` (memory map, layer groups)."""
+    """A Target that knows its chip spec."""
 
     chip: ChipSpec | None = None
-    report: Callable[[Bundle], dict[str, Any]] | None = None
 
 
 def open_bundle(bundle: Bundle, chip: ChipSpec, checker: bool | None = None, kv_sync: str | None = None) -> Emulator:
@@ -104,6 +104,6 @@ TARGETS = tuple(make_target(SPECS[name]) for name in ("bm1684x", "bm1688"))
 
 
 @topq.hookimpl
-def register_targets(register) -> None:  # type: ignore[no-untyped-def]
+def register_targets(register: Register[Target]) -> None:
     for target in TARGETS:
         register(target)

@@ -6,9 +6,9 @@ from collections import Counter
 from typing import Any
 
 from topq.core.errors import TopqError
+from topq.core.target import CompiledModel, CompileJob
 from topq.ir.parser import parse_module
 from topq.ir.printer import print_module
-from topq.core.target import CompiledModel, CompileJob
 from topq.ir.verifier import verify_module
 from topq.plugins.targets.bm1684x.layer_group import assign_groups
 from topq.plugins.targets.bm1684x.lowering import Lowering

@@ -175,7 +175,8 @@ def _tpu(name: str, operands: int | tuple[int, int | None], infer: Callable[...,
     define(f"tpu.{name}", operands, results, {**spec, **PASS_ATTRS}, infer, doc=doc)
 
 
-_tpu("Weight", 0, None, {"name": A("str")}, dtype=False, doc="a tensor of the bundle, at `addr` in the coefficient region")
+_tpu("Weight", 0, None, {"name": A("str")}, dtype=False,
+     doc="a tensor of the bundle, at `addr` in the coefficient region")
 _tpu("Gather", 2, _typed(top._gather), {"axis": A("int", 0)})
 _tpu("RMSNorm", (1, 2), _typed(top._norm), {"eps": A("float", 1e-6)}, doc="f32 statistics")
 _tpu("LayerNorm", (1, 3), _typed(top._norm), {"eps": A("float", 1e-5)}, doc="f32 statistics")

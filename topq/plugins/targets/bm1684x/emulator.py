@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from topq.ir.catalogue import CATALOGUE
 from topq.core.errors import TopqError
-from topq.ir.int8 import uses_requant
+from topq.ir.catalogue import CATALOGUE
 from topq.ir.graph import Block, Function, Module, Operation, Value
+from topq.ir.int8 import uses_requant
 from topq.ir.parser import parse_module
 from topq.ir.reference_ops import REFERENCE_OPS
 from topq.ir.types import TensorType
@@ -597,11 +597,15 @@ class _Planner:
         weights = op.operands[1:]
         if op.name == "tpu.MLP":
             parts = [[w] for w in weights]
-            decode: Callable[[list[Value]], np.ndarray] = lambda p: emu.float_weight(p[0])
+
+            def decode(p: list[Value]) -> np.ndarray:
+                return emu.float_weight(p[0])
         else:
             per = 2 if attrs.get("symmetric") else 3
             parts = [list(weights[i * per:(i + 1) * per]) for i in range(3)]
-            decode = lambda p: emu.quant_weight(p, attrs)
+
+            def decode(p: list[Value]) -> np.ndarray:
+                return emu.quant_weight(p, attrs)
         key = ("gu",) + tuple(p[0].owner.attrs["addr"] for p in parts[:2])  # type: ignore[union-attr]
 
         def stack() -> np.ndarray:

@@ -26,13 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from topq.ir.builder import Builder
 from topq.core.errors import TopqError
-from topq.ir.int8 import quantize_bias, requant_params, uses_requant
-from topq.ir.graph import Block, Function, Module, Operation, Value
 from topq.core.quant import QuantSpec
-from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.core.target import CompileJob
+from topq.ir.builder import Builder
+from topq.ir.graph import Block, Function, Module, Operation, Value
+from topq.ir.int8 import quantize_bias, requant_params, uses_requant
+from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.ir.types import TensorType
 from topq.plugins.targets.bm1684x import (
     dialect,  # noqa: F401  (registers the tpu ops)

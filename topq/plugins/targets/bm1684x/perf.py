@@ -32,8 +32,8 @@ from typing import Any
 
 from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec, find_family
-from topq.ir.graph import Function, Module, Operation, Value
 from topq.core.stages import StageConfig, build_program
+from topq.ir.graph import Function, Module, Operation, Value
 from topq.plugins.targets.bm1684x.raw import element_ops
 from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec
 
@@ -62,7 +62,8 @@ class QuantMode:
             return float(n * k * self.act_bytes)
         group = k if self.group_size <= 0 else min(self.group_size, k)
         groups = n * math.ceil(k / group)
-        per_group = self.REQUANT_BYTES if self.requant else self.SCALE_BYTES + (0 if self.symmetric else self.ZERO_BYTES)
+        per_group = (self.REQUANT_BYTES if self.requant
+                     else self.SCALE_BYTES + (0 if self.symmetric else self.ZERO_BYTES))
         return n * k * self.weight_bits / 8 + groups * per_group
 
     @property
@@ -205,7 +206,8 @@ class FunctionEstimate:
         """A per-op text table (the compiler's `--dump` view)."""
         lines = [(f"@{self.name}: {self.total_s * 1e3:.3f} ms in {self.groups} groups "
                   f"(+{self.launch_s * 1e6:.0f} us launch)"),
-                 f"{'op':<16}{'loc':<34}{'grp':>4}{'MFLOP':>12}{'KB':>12}{'compute us':>12}{'dma us':>10}{'time us':>10}"]
+                 f"{'op':<16}{'loc':<34}{'grp':>4}{'MFLOP':>12}{'KB':>12}"
+                 f"{'compute us':>12}{'dma us':>10}{'time us':>10}"]
         for r in self.rows:
             lines.append(f"{r.name:<16}{(r.loc or '-'):<34}{r.group:>4}{r.flops / 1e6:>12.2f}{r.bytes / 1024:>12.1f}"
                          f"{r.compute_s * 1e6:>12.2f}{r.dma_s * 1e6:>10.2f}{r.time_s * 1e6:>10.2f}")

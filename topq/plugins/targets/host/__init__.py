@@ -10,11 +10,12 @@ import numpy as np
 
 import topq
 from topq.core.bundle import Bundle
+from topq.core.hookspecs import Register
+from topq.core.target import CompiledModel, CompileJob, Target, runs_everything
 from topq.ir.interpreter import Interpreter
 from topq.ir.parser import parse_module
 from topq.ir.printer import print_module
 from topq.ir.types import round_to_dtype
-from topq.core.target import CompiledModel, CompileJob, Target, runs_everything
 
 
 def weight_names(module) -> list[str]:  # type: ignore[no-untyped-def]
@@ -58,5 +59,5 @@ TARGET = Target(
 
 
 @topq.hookimpl
-def register_targets(register) -> None:  # type: ignore[no-untyped-def]
+def register_targets(register: Register[Target]) -> None:
     register(TARGET)

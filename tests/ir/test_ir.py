@@ -123,8 +123,8 @@ def test_verify_passes_on_built_and_parsed(module: Module, text: str) -> None:
 
 def test_real_stage_program_round_trips() -> None:
     """The stage template's own output (llama family, 2 layers, two decode variants) survives the text form."""
-    from topq.core.family import normalize_llama_like
     from topq.core.stages import StageConfig, build_program
+    from topq.models.decoder import normalize_llama_like
     from topq.plugins.models.llama import FAMILY
 
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from topq.core.family import ModelFamily
-from topq.core.weightmap import AddScalar, Rows, Stack
+from topq.models.weightmap import AddScalar, Rows, Stack
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 

@@ -1,9 +1,9 @@
 """A third-party family whose checkpoint fuses projections, built with no core edit (issue 11 acceptance).
 
 The family below is what a plugin author writes for Phi-3: the block reads q/k/v and gate/up as usual and the
-family's `weight_map` says how they are cut out of the checkpoint's fused `qkv_proj` and `gate_up_proj`
-(`topq.core.weightmap`). A tiny random transformers `Phi3ForCausalLM` is converted to host bundles and checked
-against transformers' logits. The rest checks the weight-mapping view on its own.
+family's `map_weights` (`weight_map` rules, `topq.models.weightmap`) says how they are cut out of the
+checkpoint's fused `qkv_proj` and `gate_up_proj`. A tiny random transformers `Phi3ForCausalLM` is converted to
+host bundles and checked against transformers' logits. The rest checks the weight-mapping view on its own.
 """
 
 from __future__ import annotations
@@ -22,21 +22,18 @@ import topq
 import topq.core.plugins as plugins_module
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
-from topq.core.family import (
-    DECODER_LAYER_WEIGHTS,
-    DECODER_QUANT_GROUPS,
-    ModelFamily,
-    ModelSpec,
-    hf_field,
-    read_config,
-)
+from topq.core.family import ModelFamily, ModelSpec
 from topq.core.pipeline import convert, load_model
 from topq.core.plugins import build_plugins
 from topq.core.quant import QuantizedWeight
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
 from topq.core.stages import BlockContext
-from topq.core.weightmap import (
+from topq.io.safetensors import SafetensorsFile
+from topq.ir.graph import Value
+from topq.ir.types import round_to_dtype
+from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, hf_field, read_config
+from topq.models.weightmap import (
     AddScalar,
     MappedWeights,
     Rows,
@@ -44,10 +41,8 @@ from topq.core.weightmap import (
     gate_up_sections,
     qkv_sections,
     split_rows,
+    weight_map,
 )
-from topq.io.safetensors import SafetensorsFile
-from topq.ir.graph import Value
-from topq.ir.types import round_to_dtype
 
 ATOL = 1e-4
 VOCAB = 256
@@ -103,11 +98,11 @@ FAMILY = ModelFamily(
     layer_weights=DECODER_LAYER_WEIGHTS,
     build_block=build_block,
     quant_groups=DECODER_QUANT_GROUPS,
-    weight_map={
+    map_weights=weight_map({
         **split_rows("model.layers.{i}.self_attn.qkv_proj.weight", qkv_sections,
                      L["q_proj"], L["k_proj"], L["v_proj"]),
         **split_rows("model.layers.{i}.mlp.gate_up_proj.weight", 2, L["gate_proj"], L["up_proj"]),
-    },
+    }),
     description="test: Phi-3 with fused qkv_proj and gate_up_proj",
 )
 

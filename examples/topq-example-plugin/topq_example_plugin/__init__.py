@@ -11,16 +11,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import topq
-from topq.core.family import (
-    DECODER_LAYER_WEIGHTS,
-    DECODER_QUANT_GROUPS,
-    ModelFamily,
-    ModelSpec,
-    normalize_llama_like,
-)
+from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
+from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
 
 __version__ = "0.1.0"
 

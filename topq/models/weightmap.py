@@ -2,8 +2,8 @@
 
 Most checkpoints store exactly the tensors a family's block reads. Some do not: Phi-3 fuses q/k/v into one
 `qkv_proj` and gate/up into one `gate_up_proj`, Gemma stores norm weights as `w` for a `(1 + w)` norm, MoE
-checkpoints store one tensor per expert. A family declares `ModelFamily.weight_map`, IR tensor name → rule
-(the MLC-LLM "weight mapping with transforms"), in a small vocabulary:
+checkpoints store one tensor per expert. A family declares `ModelFamily.map_weights = weight_map({...})`, IR
+tensor name → rule (the MLC-LLM "weight mapping with transforms"), in a small vocabulary:
 
 * `Rows(source, sections, index)` — one row block of a fused tensor (split qkv by heads × head_dim, gate_up in
   halves);
@@ -260,3 +260,14 @@ class MappedWeights:
         if hasattr(self.base, "fingerprint"):
             return str(self.base.fingerprint(name))
         return hashlib.sha256(np.ascontiguousarray(self.base.get_raw(name)).tobytes()).hexdigest()
+
+
+def weight_map(rules: Mapping[str, WeightRule]) -> Callable[[ModelSpec, WeightStore], WeightStore]:
+    """A family's `map_weights` from declarative rules (IR name template → `Rows` / `AddScalar` / `Stack`): the
+    checkpoint's store seen through them, every derived tensor computed when it is read."""
+    frozen = dict(rules)
+
+    def map_weights(spec: ModelSpec, store: WeightStore) -> WeightStore:
+        return MappedWeights(store, frozen, spec, spec.family)
+
+    return map_weights

@@ -1,4 +1,4 @@
-"""Time the Top IR round trip on the 32-layer, three-stage test model (tests/ir_gen.py).
+"""Time the Top IR round trip on the 32-layer, three-stage test model (tests/helpers/ir_gen.py).
 
     python benchmarks/ir_roundtrip.py [--layers 32] [--repeat 5] [--json]
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run from a checkout without installing
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "helpers")]  # run from a checkout without installing
 
 from ir_gen import Dims, build_module  # noqa: E402
 

@@ -60,7 +60,7 @@ MATRIX: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
 
 def build_checkpoints(work: Path) -> dict[str, Path]:
     """Tiny random checkpoints (built once; later runs reuse the same files) and calibration ids."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     from tiny_models import build_tiny
 
     paths = {}

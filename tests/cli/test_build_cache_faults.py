@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import TINY_STAGES, TinyHost
+from host_bundles import TINY_STAGES, TinyHost
 
 from topq.core import cli
 

@@ -1,5 +1,5 @@
 """docs/plugins.md documents every field of the contracts a plugin fills or reads (the hooks have their own test in
-tests/test_plugins.py): a field added to a contract without a line in the docs fails here."""
+tests/core/test_plugins.py): a field added to a contract without a line in the docs fails here."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import SMOL_RECIPE_PATH
+from smol_model import SMOL_RECIPE_PATH
 
 SMOL_W4 = ["--set", f"model.path={SMOL_RECIPE_PATH}", "--set", "quant.scheme=w4bf16", "--set", "target.chip=bm1684x",
            "--set", "stages.seq_length=256", "--set", "stages.max_input_length=64", "--set", "stages.decode_chunks=[]"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import TINY_STAGES, TinyHost
+from host_bundles import TINY_STAGES, TinyHost
 
 from topq.core import cli
 from topq.core.bundle import Bundle, write_bundle_arrays

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from host_bundles import TinyCheckpoint
 
 from topq.io.safetensors import SafetensorsFile, write_safetensors
 from topq.plugins.formats.hf import open_checkpoint
@@ -46,11 +47,10 @@ def gptq_v1_tensors(n: int, k: int, rng: np.random.Generator) -> tuple[dict[str,
 
 
 @pytest.fixture(scope="module")
-def v1_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
-    from tiny_models import build_tiny
-
+def v1_checkpoint(tmp_path_factory: pytest.TempPathFactory,
+                  tiny_checkpoint: TinyCheckpoint) -> tuple[Path, dict[str, np.ndarray]]:
     src = tmp_path_factory.mktemp("gptq_v1_float")
-    build_tiny("llama", src)
+    tiny_checkpoint("llama", src)
     rng = np.random.default_rng(7)
     source = SafetensorsFile(src / "model.safetensors")
     tensors: dict[str, np.ndarray] = {}

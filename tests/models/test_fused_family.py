@@ -265,7 +265,7 @@ def llama_twin(phi3: tuple[Any, Path]) -> Path:
 
 @pytest.fixture(scope="module")
 def calibration_ids(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from conftest import AUSTEN
+    from data_paths import AUSTEN
 
     path = tmp_path_factory.mktemp("fused_calibration") / "emma.ids"
     path.write_text(" ".join(str(b) for b in (AUSTEN / "00_EMMA.txt").read_bytes()[:4000]))  # bytes < VOCAB

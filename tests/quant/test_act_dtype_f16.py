@@ -9,6 +9,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from host_bundles import TinyCheckpoint
 
 from topq.core.bundle import Bundle
 from topq.core.pipeline import convert
@@ -19,11 +20,9 @@ IDS = [1, 5, 9, 77, 120, 3, 44, 200]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import build_tiny
-
+def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Path:
     d = tmp_path_factory.mktemp("act_dtype")
-    build_tiny("llama", d)
+    tiny_checkpoint("llama", d)
     (d / "calib.ids").write_text(" ".join(map(str, np.random.default_rng(0).integers(3, 250, 400))))
     return d
 

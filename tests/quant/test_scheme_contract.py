@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from host_bundles import TinyCheckpoint
 
 import topq
 import topq.core.plugins
@@ -66,11 +67,9 @@ def with_rounder(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import build_tiny
-
+def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Path:
     d = tmp_path_factory.mktemp("rounder")
-    build_tiny("llama", d)
+    tiny_checkpoint("llama", d)
     return d
 
 

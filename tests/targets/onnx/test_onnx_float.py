@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
-from conftest import TINY_STAGES, TinyHost
+from host_bundles import TINY_STAGES, TinyHost
 
 from topq.core import cli
 from topq.core.bundle import Bundle

@@ -13,6 +13,7 @@ COMMON: dict[str, Any] = dict(
     vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.15,
     bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )
+VOCAB: int = COMMON["vocab_size"]
 
 #: name → (config class, model class, config overrides)
 KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -45,3 +46,10 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, dtype: torch.dtype = t
                 param.normal_(0, 0.1)
     model.to(dtype).save_pretrained(directory, safe_serialization=True)
     return model.float()
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """n token ids, avoiding the special ids 0..2 so nothing is treated as padding or end of text."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(3, VOCAB, size=n).tolist()

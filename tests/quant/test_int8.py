@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
 from topq.ir.int8 import (
@@ -351,12 +352,10 @@ def test_dynamic_tokens_beat_static_on_outlier_inputs() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> dict[str, Any]:
     """A tiny random Llama, byte-level calibration ids from EMMA, a held-out eval sequence, f32 host logits."""
-    from tiny_models import build_tiny
-
     root = tmp_path_factory.mktemp("int8")
-    build_tiny("llama", root / "model")
+    tiny_checkpoint("llama", root / "model")
     text = (AUSTEN / "00_EMMA.txt").read_bytes()
     (root / "emma.ids").write_text(" ".join(str(b) for b in text[:6000]))
     state: dict[str, Any] = {"root": root, "eval": [int(b) for b in text[40000:40040]]}

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_quantized_import import GROUP, write_quantized_llama
+from host_bundles import TinyCheckpoint
+from quantized_writers import GROUP, write_quantized_llama
 
 from topq.core.bundle import Bundle
 from topq.core.cli import main
@@ -19,11 +20,9 @@ IDS = [1, 17, 42, 99, 3, 250, 7, 64, 128, 5, 33, 200]
 
 
 @pytest.fixture(scope="module")
-def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import build_tiny
-
+def float_dir(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Path:
     d = tmp_path_factory.mktemp("auto_float")
-    build_tiny("llama", d)
+    tiny_checkpoint("llama", d)
     return d
 
 
@@ -76,7 +75,7 @@ def test_act_order_gptq_is_refused_by_bm1684x(float_dir: Path, tmp_path: Path,
 
 
 def test_auto_warns_about_dequantized_gguf_types(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from conftest import smol_path
+    from smol_model import smol_path
 
     recipe = recipe_from_defaults(model={"path": str(smol_path())}, quant={"scheme": "auto"},
                                   target={"chip": "host"}, stages={"seq_length": 32, "max_input_length": 8},

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from data_paths import REPO
 
 import topq
 from topq.core import hookspecs
@@ -22,7 +23,6 @@ from topq.core.errors import TopqError, UnknownNameError
 from topq.core.family import ModelFamily, find_family
 from topq.core.plugins import BUILTIN_PLUGINS, HOOKS, Plugins, build_plugins
 
-REPO = Path(__file__).resolve().parent.parent
 PLUGINS_MD = REPO / "docs" / "plugins.md"
 EXAMPLE_DIR = REPO / "examples" / "topq-example-plugin"
 INSTALL_HINT = "the example plugin is not installed: run `pip install --no-deps examples/topq-example-plugin`"

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import AUSTEN, SMOL_RECIPE_PATH
+from data_paths import AUSTEN
+from smol_model import SMOL_RECIPE_PATH
 
 # Measured with these settings (python -m benchmarks.quant_quality --samples 16 --seq-len 256 --eval-windows 4
 # --window 256): float 40.95, RTN 49.85, GPTQ 46.17. Smaller calibration sets made GPTQ lose to RTN.

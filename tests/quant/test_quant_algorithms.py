@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
@@ -274,12 +275,10 @@ def test_schemes_are_registered() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> dict[str, Any]:
     """A tiny random Llama, byte-level calibration ids from EMMA, a held-out eval sequence and float logits."""
-    from tiny_models import build_tiny
-
     root = tmp_path_factory.mktemp("quant_e2e")
-    build_tiny("llama", root / "model")
+    tiny_checkpoint("llama", root / "model")
     text = (AUSTEN / "00_EMMA.txt").read_bytes()
     ids = root / "emma.ids"
     ids.write_text(" ".join(str(b) for b in text[:8000]))  # bytes < 256 = the tiny vocabulary

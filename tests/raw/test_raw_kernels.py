@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-from conftest import smol_path
+from data_paths import REPO
+from smol_model import smol_path
 
 import topq.core.plugins
 from topq.core.bundle import Bundle
@@ -32,7 +33,6 @@ from topq.raw import InOut, Input, Num, exp, kernel, raw_call, rsqrt
 from topq.raw.substitute import load_kernel
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parent.parent
 F32 = np.float32
 
 

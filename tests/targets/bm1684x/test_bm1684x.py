@@ -12,6 +12,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from host_bundles import TinyCheckpoint
 
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
@@ -38,12 +39,10 @@ G64 = {"group_size": 64}
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Any:
     """A tiny random llama (hidden 64, intermediate 128, 2 layers) saved as safetensors; returns (model, dir)."""
-    from tiny_models import build_tiny
-
     directory = tmp_path_factory.mktemp("bm_tiny")
-    return build_tiny("llama", directory), directory
+    return tiny_checkpoint("llama", directory), directory
 
 
 def recipe(directory: Path, chip: str, scheme: str, out: Path, **quant: Any) -> Any:
@@ -502,13 +501,12 @@ def test_lean_kernels_equal_the_reference_bit_for_bit() -> None:
 
 @pytest.mark.parametrize(("kind", "quant"), [("qwen2", {"scheme": "w4bf16"}), ("qwen3", {"scheme": "bf16"}),
                                              ("llama_tied", {"scheme": "w8bf16", "lm_head": "w8bf16"})])
-def test_other_families(tmp_path_factory: pytest.TempPathFactory, kind: str, quant: dict[str, Any]) -> None:
+def test_other_families(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint, kind: str,
+                        quant: dict[str, Any]) -> None:
     """Attention biases (qwen2: A16MatMul with bias), per-head q/k norms (qwen3), a tied embedding quantized as
     lm_head while the gather keeps the bf16 table (llama_tied)."""
-    from tiny_models import build_tiny
-
     directory = tmp_path_factory.mktemp(f"bm_{kind}")
-    build_tiny(kind, directory / "model")
+    tiny_checkpoint(kind, directory / "model")
     out = {}
     for chip in ("host", "bm1684x"):
         convert(recipe(directory / "model", chip, out=directory / f"{chip}.topq", **quant), progress=False)

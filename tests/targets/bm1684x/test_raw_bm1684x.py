@@ -10,7 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import SMOL_RECIPE_PATH
+from smol_model import SMOL_RECIPE_PATH
 
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError

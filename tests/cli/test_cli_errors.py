@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import AUSTEN, TINY_STAGES, TinyHost, smol_path
-from test_smollm2_host import reference_perplexity
+from data_paths import AUSTEN
+from host_bundles import TINY_STAGES, TinyHost
+from smol_model import reference_perplexity, smol_path
 
 from topq.core import cli
 from topq.core.bundle import Bundle

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from data_paths import REPO
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +22,6 @@ from topq.core.recipe import (
     path_fields,
     recipe_from_defaults,
 )
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture()

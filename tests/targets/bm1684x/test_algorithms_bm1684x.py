@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from host_bundles import TinyCheckpoint
 
 from topq.core.bundle import Bundle
 from topq.core.pipeline import convert
@@ -16,11 +17,9 @@ IDS = [1, 5, 9, 77, 120, 3, 44, 200]
 
 
 @pytest.fixture(scope="module")
-def tiny_with_calibration(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import build_tiny
-
+def tiny_with_calibration(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Path:
     d = tmp_path_factory.mktemp("algo_bm")
-    build_tiny("llama", d)
+    tiny_checkpoint("llama", d)
     ids = np.random.default_rng(0).integers(3, 250, 400)
     (d / "calib.ids").write_text(" ".join(map(str, ids)))
     return d

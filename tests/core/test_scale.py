@@ -11,21 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from data_paths import REPO
+from host_bundles import TinyCheckpoint
 
 from topq.core.build import split_units
 from topq.core.pipeline import convert
 from topq.core.recipe import recipe_from_defaults
 
 STAGES = {"seq_length": 64, "max_input_length": 16, "decode_chunks": [32]}
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_models import build_tiny
-
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Path:
     directory = tmp_path_factory.mktemp("scale_tiny")
-    build_tiny("qwen2", directory)
+    tiny_checkpoint("qwen2", directory)
     return directory
 
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from data_paths import AUSTEN
+from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
 from topq.quant.observers import Observer
 
-AUSTEN = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "austen"
 STAGES = {"seq_length": 32, "max_input_length": 16, "decode_chunks": [32]}
 CALIBRATION = {"samples": 6, "seq_len": 16}
 QUANT: dict[str, dict[str, Any]] = {
@@ -74,12 +75,10 @@ def test_observer_merge_aligns_ranges_and_refuses_mismatches() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Path:
     """A tiny Qwen2 checkpoint and token-id calibration data beside it."""
-    from tiny_models import build_tiny
-
     root = tmp_path_factory.mktemp("calib_exec")
-    build_tiny("qwen2", root / "model")
+    tiny_checkpoint("qwen2", root / "model")
     text = (AUSTEN / "00_EMMA.txt").read_bytes()
     (root / "emma.ids").write_text(" ".join(str(b) for b in text[:6000]))
     return root

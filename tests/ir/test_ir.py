@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
+from data_paths import REPO
 from ir_gen import EVERY_KIND_ATTRS, NASTY_STRING, Dims, build_module, op_table_rows
 
 from topq.core.errors import TopqError
@@ -21,7 +21,6 @@ from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.ir.types import ScalarType, TensorType, tensor
 from topq.ir.verifier import VerifyError, verify_module
 
-REPO = Path(__file__).resolve().parent.parent
 DIMS = Dims()
 
 
@@ -370,12 +369,11 @@ def test_every_top_op_is_documented_in_ir_md() -> None:
     docs = (REPO / "docs" / "ir.md").read_text(encoding="utf-8")
     top_ops = [n for n in CATALOGUE if n.startswith("top.")]
     assert len(top_ops) >= 20
+    regenerate = "regenerate: python -m tests.helpers.ir_gen --op-table"
     undocumented = [n for n in top_ops if f"| `{n}` |" not in docs]
-    assert not undocumented, \
-        f"docs/ir.md has no op-table row for {undocumented}; regenerate: python -m tests.ir_gen --op-table"
+    assert not undocumented, f"docs/ir.md has no op-table row for {undocumented}; {regenerate}"
     stale = [row for row in op_table_rows() if row not in docs]
-    assert not stale, \
-        "docs/ir.md op table is out of date; regenerate: python -m tests.ir_gen --op-table\n" + "\n".join(stale)
+    assert not stale, f"docs/ir.md op table is out of date; {regenerate}\n" + "\n".join(stale)
 
 
 def test_ir_md_examples_parse_and_verify() -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import AUSTEN
+from data_paths import AUSTEN
+from smol_model import reference_perplexity
 
 from topq.core.bundle import Bundle
 from topq.core.runtime import Session, perplexity
@@ -27,21 +28,6 @@ def persuasion_ids(smol_bundle: Bundle) -> list[int]:
     ids = list(smol_bundle.tokenizer.encode(text))
     assert len(ids) > PPL_TOKENS
     return ids
-
-
-def reference_perplexity(model: Any, ids: list[int], window: int) -> tuple[float, int]:
-    """exp(mean NLL) over independent windows, like topq.core.runtime.perplexity, in float64 from float32 logits."""
-    total, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start:start + window]
-        if len(chunk) < 2:
-            break
-        with torch.no_grad():
-            logits = model(torch.tensor([chunk])).logits[0].double()
-        logprobs = torch.log_softmax(logits[:-1], dim=-1)
-        total -= float(logprobs[torch.arange(len(chunk) - 1), torch.tensor(chunk[1:])].sum())
-        count += len(chunk) - 1
-    return float(np.exp(total / count)), count
 
 
 def test_prefill_logits_match_transformers(smol_bundle: Bundle, smol_torch: Any, persuasion_ids: list[int]) -> None:

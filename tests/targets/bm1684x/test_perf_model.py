@@ -6,11 +6,11 @@ import json
 import math
 from dataclasses import replace
 from itertools import pairwise
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from data_paths import CONFIGS
 
 from topq.core.errors import TopqError
 from topq.core.family import ModelSpec, find_family
@@ -25,8 +25,6 @@ from topq.plugins.targets.bm1684x.perf import (
     quant_mode,
 )
 from topq.plugins.targets.bm1684x.spec import BM1684X, BM1688
-
-CONFIGS = Path(__file__).resolve().parent / "data" / "configs"
 
 
 def config(name: str) -> dict[str, Any]:

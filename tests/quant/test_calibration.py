@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from host_bundles import TinyCheckpoint
 
 from topq.core.checkpoint import tokenizer_files_of
 from topq.core.errors import TopqError
@@ -149,16 +150,14 @@ SEQ = 16
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Any:
     """`models(kind)`: a tiny model loaded as topq sees it, Top IR built at max_input_length = SEQ."""
-    from tiny_models import build_tiny
-
     cache: dict[str, Any] = {}
 
     def get(kind: str) -> Any:
         if kind not in cache:
             directory = tmp_path_factory.mktemp(f"calib_{kind}")
-            build_tiny(kind, directory)
+            tiny_checkpoint(kind, directory)
             recipe = recipe_from_defaults(model={"path": str(directory)},
                                           stages={"seq_length": SEQ, "max_input_length": SEQ, "prefill_kv": False})
             cache[kind] = load_model(recipe)

@@ -4,7 +4,7 @@
 tests do not depend on the stage template): per layer a prefill, a prefill-with-history and a decode
 function, plus one function whose ops and attributes use every attribute kind the printer knows.
 
-    python -m tests.ir_gen --op-table     # print the op table for docs/ir.md
+    python -m tests.helpers.ir_gen --op-table     # print the op table for docs/ir.md
 """
 
 from __future__ import annotations

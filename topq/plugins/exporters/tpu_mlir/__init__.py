@@ -28,6 +28,7 @@ import numpy as np
 
 import topq
 from topq.core.exporter import Exporter, ExportRequest
+from topq.core.hookspecs import Register
 from topq.ir.errors import TopqError
 from topq.ir.graph import Function, Module
 from topq.plugins.exporters.tpu_mlir.deploy import TpuMlir, combine, deploy_all, find_tpu_mlir
@@ -267,7 +268,7 @@ def _compile(tpu: TpuMlir, jobs: list[tuple[Path, list[str]]], out_dir: Path, re
 
 
 @topq.hookimpl
-def register_exporters(register: Any) -> None:
+def register_exporters(register: Register[Exporter]) -> None:
     register(Exporter("tpu-mlir", "Top MLIR + weight npz per net for TPU-MLIR (and bmodels when it is installed)",
                       export=export))
 

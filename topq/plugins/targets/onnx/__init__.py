@@ -11,13 +11,12 @@ the scheme's name. See docs/onnx.md.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import topq
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
+from topq.core.hookspecs import Register
 from topq.core.quant import SchemeProduct
 from topq.core.target import CompiledModel, CompileJob, Executor, Target
 from topq.plugins.targets.onnx.conventions import (
@@ -82,12 +81,7 @@ def refuses(product: SchemeProduct) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class OnnxTarget(Target):
-    report: Callable[[Bundle], dict[str, Any]] | None = None
-
-
-TARGET = OnnxTarget(
+TARGET = Target(
     name="onnx",
     description="ONNX Runtime (CPU): one ONNX graph per stage function, float32 activations, "
                 "W4/W8 weight-only linears as MatMulNBits",
@@ -99,5 +93,5 @@ TARGET = OnnxTarget(
 
 
 @topq.hookimpl
-def register_targets(register) -> None:  # type: ignore[no-untyped-def]
+def register_targets(register: Register[Target]) -> None:
     register(TARGET)

@@ -20,6 +20,7 @@ otherwise).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import numpy as np
 import topq
 from topq.core.exporter import Exporter, ExportRequest
 from topq.core.hookspecs import Register
+from topq.core.quant import QuantScheme
 from topq.ir.errors import TopqError
 from topq.ir.graph import Function, Module
 from topq.plugins.exporters.tpu_mlir.deploy import TpuMlir, combine, deploy_all, find_tpu_mlir
@@ -70,10 +72,11 @@ def load_source(source: Path, prequantized: bool | None) -> Source:
         recipe = Recipe.from_dict(Bundle(source).recipe, source=str(source))
     plugins = get_plugins()
     scheme = plugins.schemes.get(recipe.quant.scheme)
-    refuse_activation_quantization(scheme)
+    options = recipe.to_dict()["quant"]
+    refuse_activation_quantization(scheme, options)
     model = load_model(recipe, plugins)
     quantized: QuantizedGetter | None = None
-    if use_prequantized(scheme, prequantized):
+    if use_prequantized(scheme, options, prequantized):
         # Calibrated schemes (AWQ) may rewrite float tensors too; make_quantizer puts them in model.weight.
         quantizer = make_quantizer(model, recipe, plugins, linear_weight_names(model.module))
         quantized = quantizer.values
@@ -81,26 +84,24 @@ def load_source(source: Path, prequantized: bool | None) -> Source:
                   quantized)
 
 
-def refuse_activation_quantization(scheme: Any) -> None:
-    """TPU-MLIR has no activation-INT8 LLM mode, so W8A8 cannot be handed over.
-
-    The scheme contract has no activation-quantization field yet (issue 11 adds one); until then int8 is
-    recognised by name."""
-    if scheme.name == "int8" or scheme.extra.get("act_quant"):
+def refuse_activation_quantization(scheme: QuantScheme, options: Mapping[str, Any]) -> None:
+    """TPU-MLIR has no activation-INT8 LLM mode, so W8A8 cannot be handed over (known from what the scheme
+    produces, before any calibration)."""
+    if scheme.produces(options).int8_activations:
         raise TopqError(f"quant scheme {scheme.name} (W8A8) has no TPU-MLIR route; export a weight-only or float "
                         "recipe")
 
 
-def use_prequantized(scheme: Any, wanted: bool | None) -> bool:
+def use_prequantized(scheme: QuantScheme, options: Mapping[str, Any], wanted: bool | None) -> bool:
     """The pre-quantized route by default for schemes whose values TPU-MLIR cannot compute itself (calibrated
     algorithms, a checkpoint's own codes); the float route (TPU-MLIR's RTN) for float and RTN schemes."""
-    if scheme.weight_bits is None and scheme.name != "auto":
+    if not scheme.produces(options).weight_bits:
         if wanted:
             raise TopqError(f"--option route=prequantized: scheme {scheme.name} quantizes no weights")
         return False
     if wanted is not None:
         return wanted
-    return bool(scheme.needs_calibration or scheme.name == "auto")
+    return bool(scheme.needs_calibration or scheme.stored is not None)
 
 
 def default_quantize(quant: dict[str, Any]) -> str:
@@ -108,8 +109,8 @@ def default_quantize(quant: dict[str, Any]) -> str:
     from topq.core.plugins import get_plugins
 
     scheme = get_plugins().schemes.get(str(quant["scheme"]))
-    refuse_activation_quantization(scheme)
-    act = quant.get("act_dtype") or scheme.compute_dtype
+    refuse_activation_quantization(scheme, quant)
+    act = scheme.produces(quant).compute_dtype
     bits = quant.get("bits") or scheme.weight_bits
     if bits is None:
         return "bf16" if act == "f32" else str(act)

@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from topq.core.errors import TopqError
 from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.plugins import Plugins, get_plugins
-from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct, resolve_group_size
+from topq.core.quant import Option, QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct, resolve_group_size
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, rope_weights
 from topq.core.target import CompileJob, Target
@@ -231,6 +231,17 @@ def check_target_product(target: Target, product: SchemeProduct, lm_head: Scheme
             raise TopqError(f"target {target.name} cannot run {problem}")
 
 
+def warn_unused_options(options: Mapping[str, Any], declared: Sequence[Option],
+                        schemes: Sequence[QuantScheme]) -> None:
+    """One warning per `quant` option set away from its default that neither the scheme nor the lm_head's scheme
+    reads (e.g. `act_order` with `w4bf16`): it would change nothing, which the user should know."""
+    used = {o.name for s in schemes for o in s.options}
+    for option in declared:
+        if option.name not in used and options.get(option.name) != option.spec.default:
+            print(f"warning: quant.{option.name} = {options.get(option.name)!r} does not apply to scheme "
+                  f"{schemes[0].name} and is ignored", file=sys.stderr)
+
+
 def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor | None = None,
             calibration_file: str | None = None) -> Prepared:
     """Load the model, decide quantization and compile the program (tensors are produced later, on demand).
@@ -242,7 +253,9 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor
     target = plugins.targets.get(recipe.target.chip)
     options = recipe.to_dict()["quant"]
     product = scheme.produces(options)
-    check_target_product(target, product, plugins.schemes.get(recipe.quant.lm_head).produces(options))
+    lm_head = plugins.schemes.get(recipe.quant.lm_head)
+    check_target_product(target, product, lm_head.produces(options))
+    warn_unused_options(options, plugins.scheme_options, (scheme, lm_head))
     model = load_model(recipe, plugins)
     dequantized = model.checkpoint.config.get("topq_gguf_dequantized")
     if scheme.stored is not None and dequantized:

@@ -66,12 +66,14 @@ class SchemeProduct:
 
     `compute_dtype`: activations, float weights and quantization scales (f32, bf16, f16);
     `weight_bits`: bit widths of the `QuantizedWeight`s it may return (() = float weights only; each weight's
-    exact layout is its `QuantSpec`); `int8_activations`: linears compute on int8 activations (`top.MatMulInt8`).
+    exact layout is its `QuantSpec`); `int8_activations`: linears compute on int8 activations (`top.MatMulInt8`);
+    `act_order`: its weights may come in act-order groups (a permuted `g_idx`, GPTQ's `act_order`).
     """
 
     compute_dtype: str
     weight_bits: tuple[int, ...] = ()
     int8_activations: bool = False
+    act_order: bool = False
 
 
 @dataclass(frozen=True)

@@ -673,7 +673,8 @@ def calibration_scheme(name: str, description: str, solve: GroupSolver, own_opti
         return {**weight_options(quant, name), **read_options(quant)}
 
     def product(quant: Mapping[str, Any]) -> SchemeProduct:
-        return SchemeProduct(act_dtype(quant), (4 if quant.get("bits") is None else int(quant["bits"]),))
+        bits = 4 if quant.get("bits") is None else int(quant["bits"])
+        return SchemeProduct(act_dtype(quant), (bits,), act_order=bool(read_options(quant).get("act_order")))
 
     def calibrate(model: LoadedModel, recipe: Recipe, *, executor: TaskExecutor | None = None) -> CalibrationResult:
         options = options_of(recipe.to_dict()["quant"])

@@ -37,6 +37,8 @@ def refuses(product: SchemeProduct) -> str | None:
     odd = [bits for bits in product.weight_bits if bits not in WEIGHT_BITS]
     if odd:
         return f"{odd[0]}-bit weights (tpu.A16MatMul packs 4- or 8-bit weights)"
+    if product.act_order:
+        return "act-order (permuted g_idx) groups; quantize without act_order"
     return None
 
 

@@ -23,6 +23,9 @@ from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
 
 FORMAT = "topq-bundle"
 FORMAT_VERSION = 1
+#: what every reader of a bundle relies on, by type (a crafted file with a sound checksum may still lack them)
+_REQUIRED: dict[str, type] = {"checksums": dict, "target": str, "program": str, "spec": dict, "stages": dict,
+                              "recipe": dict}
 
 
 def _tensor_digest(array: np.ndarray) -> str:
@@ -71,13 +74,26 @@ class Bundle:
             raise TopqError(f"{self.path}: not a topq bundle (a safetensors file without topq metadata)")
         if hashlib.sha256(text.encode()).hexdigest() != self.file.metadata.get("topq.meta_sha256"):
             raise TopqError(f"{self.path}: damaged bundle (metadata checksum mismatch)")
-        self.meta: dict[str, Any] = json.loads(text)
-        if self.meta.get("format") != FORMAT:
-            raise TopqError(f"{self.path}: not a topq bundle (format {self.meta.get('format')!r})")
-        version = self.meta.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        try:
+            meta = json.loads(text)
+        except ValueError:
+            raise TopqError(f"{self.path}: damaged bundle (its metadata is not JSON)") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise TopqError(f"{self.path}: not a topq bundle (format {found!r})")
+        self.meta: dict[str, Any] = meta
+        version = meta.get("format_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise TopqError(f"{self.path}: damaged bundle (format_version {version!r} is not a version number)")
+        if version > FORMAT_VERSION:
             raise TopqError(f"{self.path}: bundle format version {version} is newer than this topq "
                             f"supports ({FORMAT_VERSION}); upgrade topq")
+        for key, kind in _REQUIRED.items():
+            if not isinstance(meta.get(key), kind):
+                raise TopqError(f"{self.path}: damaged bundle (metadata {key!r} is missing or not a "
+                                f"{kind.__name__})")
+        if not all(isinstance(d, str) for d in meta["checksums"].values()):
+            raise TopqError(f"{self.path}: damaged bundle (checksums are not strings)")
         if set(self.meta["checksums"]) != set(self.file.names()):
             raise TopqError(f"{self.path}: damaged bundle (tensor list does not match its checksums)")
         if verify:

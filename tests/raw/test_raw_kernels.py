@@ -360,7 +360,10 @@ def test_inout_written_out_of_bounds() -> None:
         Interpreter(b.module, lambda name: np.zeros(0)).run("main", [x])
 
 
-def test_kernel_reference_errors() -> None:
+def test_kernel_reference_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TopqError, match=r"'numpy' is not part of topq or of an installed topq plugin"):
+        load_kernel("numpy:ones")  # refused before it is imported (tests/raw/test_kernel_allowlist.py)
+    monkeypatch.setenv("TOPQ_KERNEL_MODULES", "no_such_module_xyz,numpy")  # as `convert --kernel-module` does
     with pytest.raises(TopqError, match=r"cannot import 'no_such_module_xyz'"):
         load_kernel("no_such_module_xyz:silu")
     with pytest.raises(TopqError, match=r"'numpy:ones' is a function, not a raw kernel"):

@@ -38,14 +38,22 @@ def cli() -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Build cache (default: $TOPQ_CACHE_DIR or "
               "~/.cache/topq).")
 @click.option("--no-cache", is_flag=True, help="Do not reuse or keep built units.")
+@click.option("--kernel-module", "kernel_modules", multiple=True, metavar="MODULE",
+              help="Allow the recipe's kernels: entries to import MODULE (repeatable; topq's and installed plugins' "
+                   "modules are always allowed).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def convert(recipe: str, overrides: tuple[str, ...], dump_ir: str | None, jobs: int | None, executor: str,
-            ray_address: str | None, cache_dir: str | None, no_cache: bool, as_json: bool) -> None:
+            ray_address: str | None, cache_dir: str | None, no_cache: bool, kernel_modules: tuple[str, ...],
+            as_json: bool) -> None:
     """Convert a checkpoint into a bundle as RECIPE says."""
     import os
 
     from topq.core.pipeline import convert as run_convert
+    from topq.core.plugins import KERNEL_MODULES_ENV
     from topq.core.recipe import load_recipe
+
+    if kernel_modules:  # workers (forked, or Ray's from this environment) see it too
+        os.environ[KERNEL_MODULES_ENV] = ",".join(kernel_modules)
 
     loaded = load_recipe(recipe, list(overrides))
     summary = run_convert(loaded, Path(dump_ir) if dump_ir else None, progress=not as_json,

@@ -141,7 +141,12 @@ class Plugins:
         return substitute
 
 
-def _third_party_entry_points() -> list[tuple[metadata.EntryPoint, metadata.Distribution | None]]:
+#: modules a recipe's `kernels:` entries may import besides topq's and installed plugins' (comma-separated module
+#: names; `topq convert --kernel-module` sets it)
+KERNEL_MODULES_ENV = "TOPQ_KERNEL_MODULES"
+
+
+def third_party_entry_points() -> list[tuple[metadata.EntryPoint, metadata.Distribution | None]]:
     wanted = os.environ.get("TOPQ_LOAD_PLUGINS")
     names = None if wanted is None else {n.strip() for n in wanted.split(",") if n.strip()}
     found = []
@@ -161,7 +166,7 @@ def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
     for module_name in BUILTIN_PLUGINS:
         manager.register(importlib.import_module(module_name), name=module_name)
         info[module_name] = PluginInfo(module_name, "builtin")
-    for ep, dist in _third_party_entry_points():
+    for ep, dist in third_party_entry_points():
         try:
             module = ep.load()
         except Exception as exc:  # a broken third-party plugin must not take the tool down silently

@@ -3,7 +3,9 @@
     kernels:
       - {replace: top.SiLU, with: "my_pkg.kernels:silu"}
 
-`with` is `module:function` naming a `@kernel`; the module is imported (nothing else of the user's code runs).
+`with` is `module:function` naming a `@kernel`. Only modules of topq itself, of an installed topq plugin package
+(entry-point group `topq`), or named by the user on the command line (`topq convert --kernel-module MODULE`,
+which sets `TOPQ_KERNEL_MODULES`) are imported: a recipe alone cannot make topq import arbitrary code.
 Fused ops hide the op to replace: the Llama-style families emit `top.MLP` (gate/up/down with the activation
 inside), so replacing `top.SiLU` (or `top.GELU`) first decomposes each `top.MLP` with that activation into
 `MatMul(gate)`, the activation op, `Mul(up)` and `MatMul(down)` — the same arithmetic as the fused reference —
@@ -13,6 +15,7 @@ and then replaces the activation.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -30,11 +33,23 @@ _MLP_ACTIVATIONS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def _allowed(module_name: str) -> bool:
+    from topq.core.plugins import KERNEL_MODULES_ENV, third_party_entry_points
+
+    package = module_name.split(".")[0]
+    plugin_packages = {ep.value.split(":")[0].split(".")[0] for ep, _ in third_party_entry_points()}
+    named = {m.strip() for m in os.environ.get(KERNEL_MODULES_ENV, "").split(",") if m.strip()}
+    return package == "topq" or package in plugin_packages or module_name in named
+
+
 def load_kernel(ref: str) -> Kernel:
-    """Import `module:function` and check that it is a raw kernel."""
+    """Import `module:function` (an allowed module, see above) and check that it is a raw kernel."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise TopqError(f"kernels: {ref!r} must be 'module:function' (e.g. my_pkg.kernels:silu)")
+    if not _allowed(module_name):
+        raise TopqError(f"kernels: {module_name!r} is not part of topq or of an installed topq plugin; name it "
+                        f"on the command line to allow it (topq convert --kernel-module {module_name})")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -227,3 +227,34 @@ def test_huge_integer_in_ir_text(capsys: pytest.CaptureFixture[str], tmp_path: P
     path = tmp_path / "big.mlir"
     path.write_text(text)
     expect_error(capsys, ["ir", "check", path], "integer literal out of the 64-bit range")
+
+
+# ------------------------------------------------------------------------------------------- unwritable places
+
+def test_output_that_is_a_directory(capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.topq"
+    out.mkdir()
+    expect_error(capsys, ["convert", recipe_file(tmp_path, str(checkpoint), str(out))], "is a directory",
+                 untouched=(out,))
+
+
+def test_output_where_nothing_can_be_written(capsys: pytest.CaptureFixture[str], checkpoint: Path,
+                                             tmp_path: Path) -> None:
+    expect_error(capsys, ["convert", recipe_file(tmp_path, str(checkpoint), "/proc/topq-out.topq")],
+                 "output /proc is not a writable directory")
+
+
+def test_cache_dir_that_is_a_file(capsys: pytest.CaptureFixture[str], checkpoint: Path, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    cache.write_text("a file")
+    monkeypatch.setenv("TOPQ_CACHE_DIR", str(cache))
+    out = tmp_path / "out.topq"
+    expect_error(capsys, ["convert", recipe_file(tmp_path, str(checkpoint), str(out))],
+                 f"build cache {cache} is not a writable directory", untouched=(cache,))
+    assert not out.exists()
+
+
+def test_logits_out_where_nothing_can_be_written(capsys: pytest.CaptureFixture[str], tiny_host: TinyFactory) -> None:
+    expect_error(capsys, ["run", tiny_host("llama").bundle.path, "--prompt-ids", "5,6", "--logits-out",
+                          "/proc/topq-logits.npy"], "/proc")

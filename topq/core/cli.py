@@ -414,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError:
         click.echo("error: out of memory", err=True)
         return 1
+    except OSError as exc:  # the file system refused (full, read-only, vanished): say what and where
+        where = f"{exc.filename}: " if exc.filename else ""
+        click.echo(f"error: {where}{exc.strerror or exc}", err=True)
+        return 1
     return 0
 
 

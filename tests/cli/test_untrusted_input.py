@@ -258,3 +258,14 @@ def test_cache_dir_that_is_a_file(capsys: pytest.CaptureFixture[str], checkpoint
 def test_logits_out_where_nothing_can_be_written(capsys: pytest.CaptureFixture[str], tiny_host: TinyFactory) -> None:
     expect_error(capsys, ["run", tiny_host("llama").bundle.path, "--prompt-ids", "5,6", "--logits-out",
                           "/proc/topq-logits.npy"], "/proc")
+
+
+def test_binary_chat_input(smol_bundle: Bundle) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "topq.core.cli", "chat", str(smol_bundle.path)],
+                          input=b"\xd9\xff\xfe binary \x00\x81\n", capture_output=True, timeout=600)
+    err = done.stderr.decode()
+    assert done.returncode != 0 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "error: chat: the input is not UTF-8 text"

@@ -203,8 +203,11 @@ def chat(bundle: str, max_new_tokens: int, system: str | None) -> None:
     while True:
         try:
             line = input("> " if sys.stdin.isatty() else "")
+            line.encode("utf-8")  # undecodable input arrives as lone surrogates (surrogateescape)
         except EOFError:
             break
+        except UnicodeError:
+            raise TopqError("chat: the input is not UTF-8 text") from None
         if not line.strip():
             break
         for piece in session.reply_stream(line, max_new_tokens):

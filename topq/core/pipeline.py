@@ -256,7 +256,6 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor
     product = scheme.produces(options)
     lm_head = plugins.schemes.get(recipe.quant.lm_head)
     check_target_product(target, product, lm_head.produces(options))
-    warn_unused_options(options, plugins.scheme_options, (scheme, lm_head))
     model = load_model(recipe, plugins)
     dequantized = model.checkpoint.config.get("topq_gguf_dequantized")
     if scheme.stored is not None and dequantized:
@@ -343,6 +342,9 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
 
 def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: TaskExecutor, cache_dir: Path | None,
              started: float, phases: PhaseTimer) -> dict[str, Any]:
+    plugins = get_plugins()  # said once, by the converting process (workers that prepare again stay quiet)
+    warn_unused_options(recipe.to_dict()["quant"], plugins.scheme_options,
+                        (plugins.schemes.get(recipe.quant.scheme), plugins.schemes.get(recipe.quant.lm_head)))
     prepared = prepare(recipe, dump_dir, runner)
     phases.mark("prepare")
     runner.refresh()  # workers forked during calibration predate the prepared program: units need fresh ones

@@ -157,18 +157,9 @@ def lookup_op(name: str) -> OpDef:
         raise UnknownNameError("op", name, [n for n in CATALOGUE if n.startswith(dialect + ".")] or CATALOGUE) from None
 
 
-def define(
-    name: str,
-    operands: int | tuple[int, int | None],
-    results: int | None = 1,
-    attrs: dict[str, AttrSpec] | None = None,
-    infer: InferFn | None = None,
-    regions: int = 0,
-    doc: str = "",
-    traits: Traits | None = None,
-) -> OpDef:
-    """Declare and register an op (`operands` is an exact count or a (min, max) range)."""
-    return register_op(op_def(name, operands, results, attrs, infer, regions, doc, traits))
+def define(*args: Any, **kwargs: Any) -> OpDef:
+    """Declare and register an op: `op_def`'s arguments, then `register_op`."""
+    return register_op(op_def(*args, **kwargs))
 
 
 def op_def(

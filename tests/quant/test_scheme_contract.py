@@ -228,3 +228,65 @@ def test_a_target_refuses_what_it_cannot_store_naming_it(monkeypatch: pytest.Mon
         run(scheme="bf16", lm_head="w4bf16")  # the lm_head's scheme is checked too
     run(scheme="bf16")
     assert Bundle(tmp_path / "x.topq").target == "test-float"
+
+
+# ---------------------------------------------------------------------------------------- observe / solve
+
+
+class AbsMaxObserver:
+    """A third party's own statistics: per-channel max |x| and the number of tokens seen."""
+
+    def __init__(self, k: int) -> None:
+        self.abs_max = np.zeros(k, np.float32)
+        self.tokens = 0
+
+    def add(self, x: np.ndarray) -> None:
+        x = np.asarray(x, np.float32).reshape(-1, self.abs_max.size)
+        self.abs_max = np.maximum(self.abs_max, np.abs(x).max(axis=0))
+        self.tokens += x.shape[0]
+
+
+def test_a_layer_wise_scheme_is_observe_plus_solve(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheme written as `observe` + `solve` (no calibrate of its own) converts through topq's layer loop: its
+    solver gets its own statistics of each quant group's input, over every calibration token, and its values are
+    what the bundle computes with."""
+    from topq.quant.calibration import calibration_scheme
+
+    seen: list[tuple[int, int]] = []
+
+    def solve(weight: np.ndarray, stats: AbsMaxObserver, options: Mapping[str, Any]) -> QuantizedWeight:
+        seen.append((weight.shape[1], stats.tokens))
+        # weights on inputs that were never large matter less: round them on a grid scaled by the input's reach
+        reach = np.maximum(stats.abs_max / stats.abs_max.max(), 0.25)
+        return rounder_quantize(weight * reach, {**options, "rounding": "nearest"})
+
+    scheme = calibration_scheme("test-layerwise", "observe + solve", solve=solve, observe=AbsMaxObserver)
+    assert scheme.solve is solve and scheme.observe is AbsMaxObserver and scheme.calibrate is not None
+
+    class Plugin:
+        @topq.hookimpl
+        def register_quant_schemes(self, register: Callable[[QuantScheme], None]) -> None:
+            register(scheme)
+
+    monkeypatch.setattr(topq.core.plugins, "_PLUGINS", build_plugins(extra=(Plugin(),)))
+    ids = tmp_path / "calib.ids"
+    ids.write_text(" ".join(map(str, np.random.default_rng(0).integers(3, 256, 4 * 16))))
+    recipe = recipe_from_defaults(model={"path": str(tiny)}, target={"chip": "host"}, stages=STAGES,
+                                  quant={"scheme": "test-layerwise", "group_size": 32,
+                                         "calibration": {"data": str(ids), "samples": 4, "seq_len": 16}},
+                                  output={"path": str(tmp_path / "lw.topq")})
+    convert(recipe, progress=False)
+    bundle = Bundle(tmp_path / "lw.topq")
+    # one solve per quant group (q/k/v, o, gate/up, down) per layer, each over all 4 × 16 calibration tokens
+    assert seen == [(64, 64), (64, 64), (64, 64), (128, 64)] * 2
+    assert bundle.recipe["quant"]["scheme"] == "test-layerwise"
+    logits = Session(bundle).feed(IDS, all_logits=True)
+    assert np.isfinite(logits).all()
+    assert "model.layers.0.self_attn.q_proj.weight" in bundle.tensor_names()
+
+
+def test_calibration_scheme_takes_one_solver() -> None:
+    from topq.quant.calibration import calibration_scheme
+
+    with pytest.raises(TopqError, match="one of solve= and group_solver="):
+        calibration_scheme("x", "neither")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -119,6 +119,13 @@ class QuantizedWeight:
         return ((self.codes.astype(np.float32) - zeros) * scales).astype(np.float32)
 
 
+class InputObserver(Protocol):
+    """Statistics of one linear input over calibration data: `add` is called once per calibration sample, in
+    sample order, with that sample's inputs x [tokens, K]."""
+
+    def add(self, x: np.ndarray) -> None: ...
+
+
 @dataclass(frozen=True)
 class QuantScheme:
     """What a quant plugin registers.
@@ -145,6 +152,13 @@ class QuantScheme:
     `error_report(model, recipe, scheme, executor)`, for a weight-by-weight scheme (`quantize`, no `calibrate`), is
     run when the recipe gives calibration data: a CalibrationResult without values whose `report` lists each
     linear's output error on that data (the RTN schemes use `topq.quant.calibration.quantization_report`).
+
+    `observe` and `solve` are the two halves of a layer-wise calibrated scheme: `observe(k)` a fresh accumulator of
+    the statistics of one linear input with k channels (`InputObserver`), `solve(weight [N, K], stats, options)` the
+    QuantizedWeight of linears that share that input (stacked along N) from its statistics. Such a scheme is built
+    with `topq.quant.calibration.calibration_scheme(..., solve=, observe=)`, whose `calibrate` runs the layer loop
+    with them; schemes that need more than one weight at a time (AWQ folds scales into the previous op) give the
+    loop a group solver instead and leave `solve` None.
     """
 
     name: str
@@ -160,6 +174,8 @@ class QuantScheme:
     error_report: Callable[[Any, Any, QuantScheme, Any], Mapping[str, QuantizedWeight]] | None = None
     product: Callable[[Mapping[str, Any]], SchemeProduct] | None = None
     stored: Callable[[WeightStore, str], QuantizedWeight | None] | None = None
+    observe: Callable[[int], InputObserver] | None = None
+    solve: Callable[[np.ndarray, Any, Mapping[str, Any]], QuantizedWeight] | None = None
 
     def produces(self, options: Mapping[str, Any]) -> SchemeProduct:
         """What this scheme produces with the recipe's `quant` options."""

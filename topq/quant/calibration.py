@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CalibrationResult", "FoldTarget", "GroupInputs", "InputStats", "LayerState", "calibration_scheme",
     "calibration_windows", "load_calibration", "quantization_report", "read_token_stream", "run_calibration",
-    "sample_windows", "save_calibration", "weight_options",
+    "sample_windows", "save_calibration", "stacked_solver", "weight_options",
 ]
 
 # ================================================================================ calibration data
@@ -462,6 +462,23 @@ def _capture_point(plan: _GroupPlan) -> Operation:
 
 
 GroupSolver = Callable[[GroupInputs, LayerState, Mapping[str, Any]], None]
+#: `QuantScheme.solve`: (weights sharing an input, stacked [N, K], that input's statistics, options) → QuantizedWeight
+WeightSolver = Callable[[np.ndarray, Any, Mapping[str, Any]], QuantizedWeight]
+
+
+def stacked_solver(solve: WeightSolver) -> GroupSolver:
+    """The group solver of a per-weight solver: the group's linears stacked along N, solved once (a solver driven by
+    input statistics treats rows alike), split back, and — with `InputStats` — each one's output error logged
+    beside RTN's through the same H (the calibration report)."""
+
+    def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any]) -> None:
+        weights = [state.float_weight(name) for name in group.names]
+        state.set_quantized_rows(group.names, solve(np.concatenate(weights, axis=0), group.stats, options))
+        if isinstance(group.stats, InputStats):  # the error report is measured through H
+            state.record(group.names, weights, [state.current_weight(n) for n in group.names],
+                         group.stats.hessian(), options["bits"], options["group_size"], options["symmetric"])
+
+    return solve_group
 
 
 class _Captured:
@@ -565,15 +582,16 @@ def _weights_read(function: Function) -> list[str]:
 
 
 def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver, options: Mapping[str, Any],
-                    progress: bool = True, desc: str = "calibrate",
-                    executor: TaskExecutor | None = None) -> CalibrationResult:
+                    progress: bool = True, desc: str = "calibrate", executor: TaskExecutor | None = None,
+                    observe: Callable[[int], Any] = InputStats) -> CalibrationResult:
     """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc).
 
     The per-sample work — running the layer up to a group's input, and the quantized layer's forward — runs as
     tasks on `executor` (default: this process). Tasks return the captured inputs / outputs and this process adds
     them to the statistics in sample order, so every float sum happens in the same order whatever ran the tasks
     (identical results for any executor and job count). The solvers run here, between steps; each step's tasks
-    get the layer's weights as they are at that point (`TaskExecutor.share`)."""
+    get the layer's weights as they are at that point (`TaskExecutor.share`). `observe(k)` makes each group's
+    statistics (`GroupInputs.stats`; default `InputStats`)."""
     executor = executor if executor is not None else InlineExecutor()
     windows = np.asarray(windows, dtype=np.int32)
     samples, seq_len = windows.shape
@@ -598,7 +616,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
 
             for g, plan in enumerate(layer_plans):
                 bar.set_postfix_str(f"layer {layer} {'/'.join(plan.keys)}")
-                stats = InputStats(plan.k)
+                stats = observe(plan.k)
                 for x in _map_samples(executor, step(g), hidden, chunk):
                     stats.add(x)
                 solve(GroupInputs(layer, plan.keys, plan.names, stats, plan.fold), state, options)
@@ -658,16 +676,24 @@ def weight_options(quant: Mapping[str, Any], scheme: str) -> dict[str, Any]:
             "act_dtype": act_dtype(quant)}
 
 
-def calibration_scheme(name: str, description: str, solve: GroupSolver, own_options: tuple[Option, ...] = (),
+def calibration_scheme(name: str, description: str, *, solve: WeightSolver | None = None,
+                       group_solver: GroupSolver | None = None, observe: Callable[[int], Any] = InputStats,
+                       own_options: tuple[Option, ...] = (),
                        read_options: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda quant: {},
                        ) -> QuantScheme:
-    """A weight-only QuantScheme whose `calibrate` runs the layer loop with `solve`.
+    """A weight-only QuantScheme whose `calibrate` runs the layer loop: each quant group's input statistics
+    (`observe`, default `InputStats`) go to `solve` (`QuantScheme.solve`: stacked weights → QuantizedWeight) or, for
+    a scheme that rewrites more than the group's weights (AWQ folds scales into the previous op), to `group_solver`
+    (reads and publishes through `LayerState`). Exactly one of the two is given.
 
     `own_options` are the scheme's recipe options beside bits / group_size / symmetric / act_dtype;
     `read_options(quant)` checks and defaults them (the solver gets both). The scheme produces `bits`-bit weights
     computed in `act_dtype` (default bf16). The rewritten float tensors (`CalibrationResult.float_weights`) are
     installed by the pipeline (`make_quantizer`) in `model.extra_weights`, which `LoadedModel.weight` reads before
     the checkpoint."""
+    if (solve is None) == (group_solver is None):
+        raise TopqError(f"quant scheme {name!r}: give calibration_scheme one of solve= and group_solver=")
+    solve_group = group_solver or stacked_solver(solve)  # type: ignore[arg-type]  # one of the two is set
 
     def options_of(quant: Mapping[str, Any]) -> dict[str, Any]:
         return {**weight_options(quant, name), **read_options(quant)}
@@ -679,7 +705,7 @@ def calibration_scheme(name: str, description: str, solve: GroupSolver, own_opti
     def calibrate(model: LoadedModel, recipe: Recipe, *, executor: TaskExecutor | None = None) -> CalibrationResult:
         options = options_of(recipe.to_dict()["quant"])
         windows = calibration_windows(model, recipe)
-        return run_calibration(model, windows, solve, options, desc=name, executor=executor)
+        return run_calibration(model, windows, solve_group, options, desc=name, executor=executor, observe=observe)
 
     def quantize(weight: np.ndarray, options: Mapping[str, Any]) -> QuantizedWeight:
         # Weights outside the decoder layers (e.g. `quant.lm_head: gptq`) have no calibration: round to nearest.
@@ -690,4 +716,4 @@ def calibration_scheme(name: str, description: str, solve: GroupSolver, own_opti
 
     return QuantScheme(name, description, compute_dtype="bf16", weight_bits=4,
                        options=(*WEIGHT_OPTIONS, ACT_DTYPE, *own_options), needs_calibration=True,
-                       quantize=quantize, calibrate=calibrate, product=product)
+                       quantize=quantize, calibrate=calibrate, product=product, observe=observe, solve=solve)

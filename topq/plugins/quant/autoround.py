@@ -177,7 +177,7 @@ def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
 
 SCHEME = calibration_scheme(
     "autoround", "AutoRound: SignSGD-tuned rounding offsets and range factors (weight-only, calibrated)",
-    solve_group, OPTIONS, read_options)
+    group_solver=solve_group, own_options=OPTIONS, read_options=read_options)
 
 
 @topq.hookimpl

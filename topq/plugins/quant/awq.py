@@ -168,8 +168,9 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
 
 SCHEME = calibration_scheme(
     "awq", "AWQ: activation-aware channel scaling (folded into the previous op) + range clipping, calibrated",
-    solve_group, (Option("clip", Field("bool", True, help="awq: search weight clipping ranges")),),
-    lambda quant: {"clip": bool(quant["clip"])})
+    group_solver=solve_group,
+    own_options=(Option("clip", Field("bool", True, help="awq: search weight clipping ranges")),),
+    read_options=lambda quant: {"clip": bool(quant["clip"])})
 
 
 @topq.hookimpl

@@ -17,7 +17,7 @@ from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
-from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
+from topq.quant.calibration import InputStats, calibration_scheme
 from topq.quant.grid import (
     check_bits,
     make_quantized,
@@ -130,16 +130,11 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
 # --------------------------------------------------------------------------------------- layer adapter
 
 
-def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any]) -> None:
-    """GPTQ for one quant group: stack the linears sharing this input, solve once, split the rows back."""
-    weights = [state.float_weight(name) for name in group.names]
-    h = group.stats.hessian()
-    qw = gptq(np.concatenate(weights, axis=0), h, bits=options["bits"], group_size=options["group_size"],
-              symmetric=options["symmetric"], act_order=options["act_order"], damp=options["damp"],
-              block_size=options["block_size"])
-    state.set_quantized_rows(group.names, qw)
-    state.record(group.names, weights, [state.current_weight(n) for n in group.names], h, options["bits"],
-                 options["group_size"], options["symmetric"])
+def solve(weight: np.ndarray, stats: InputStats, options: Mapping[str, Any]) -> QuantizedWeight:
+    """GPTQ for linears sharing an input (stacked along N: every row sees the same H, so one call solves them)."""
+    return gptq(weight, stats.hessian(), bits=options["bits"], group_size=options["group_size"],
+                symmetric=options["symmetric"], act_order=options["act_order"], damp=options["damp"],
+                block_size=options["block_size"])
 
 
 OPTIONS = (
@@ -156,7 +151,7 @@ def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
 
 SCHEME = calibration_scheme(
     "gptq", "GPTQ: Hessian-aware column-wise rounding (W4/W8 weight-only, calibrated)",
-    solve_group, OPTIONS, read_options)
+    solve=solve, own_options=OPTIONS, read_options=read_options)
 
 
 @topq.hookimpl

@@ -291,7 +291,8 @@ def test_export_refusals(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> 
     taken = tiny_dir / "taken"
     taken.mkdir()
     (taken / "keep").write_text("x")
-    refused(["export", "awq", str(act_order), str(tiny_dir / "a")], "act-order groups (g_idx), which cannot be exported as awq")
+    refused(["export", "awq", str(act_order), str(tiny_dir / "a")],
+            "act-order groups (g_idx), which cannot be exported as awq")
     refused(["export", "gptq", str(float_bundle), str(tiny_dir / "b")], "quantizes no weights")
     refused(["export", "gptq", str(act_order), str(taken)], "exists and is not an empty directory")
     refused(["export", "gptq", str(act_order), str(tiny_dir / "c"), "--option", "bits=3"], "unknown option 'bits'")

@@ -5,10 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from topq.core.recipe import Recipe
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -35,20 +32,3 @@ class Exporter:
     name: str
     description: str
     export: Callable[[ExportRequest], dict[str, Any]]
-
-
-RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
-
-
-def source_recipe(source: Path) -> Recipe:
-    """The recipe of an exporter's SOURCE: the file itself (YAML / JSON), or the recipe a bundle was built from.
-
-    A bundle holds its target's packed weights; exporters need the checkpoint's values (float weights, or the
-    scheme's integers computed again, deterministically), so they re-read the checkpoint the recipe names."""
-    from topq.core.recipe import Recipe, load_recipe
-
-    if source.suffix.lower() in RECIPE_SUFFIXES:
-        return load_recipe(source)
-    from topq.core.bundle import Bundle
-
-    return Recipe.from_dict(Bundle(source).recipe, source=str(source))

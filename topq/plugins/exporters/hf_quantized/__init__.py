@@ -30,7 +30,8 @@ import numpy as np
 
 import topq
 from topq.core.errors import TopqError
-from topq.core.exporter import Exporter, ExportRequest, source_recipe
+from topq.core.export_source import source_recipe
+from topq.core.exporter import Exporter, ExportRequest
 from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight
 from topq.io.safetensors import write_safetensors

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 import topq
-from topq.core.exporter import Exporter, ExportRequest, source_recipe
+from topq.core.export_source import source_recipe
+from topq.core.exporter import Exporter, ExportRequest
 from topq.core.hookspecs import Register
 from topq.core.quant import QuantScheme
 from topq.ir.errors import TopqError

@@ -247,7 +247,10 @@ def test_export_reads_back_exactly(tiny_dir: Path, capsys: pytest.CaptureFixture
     qc = config["quantization_config"]
     assert {k: qc[k] for k in fields} == fields
     original = json.loads((tiny_dir / "config.json").read_text())
-    assert {k: v for k, v in config.items() if k != "quantization_config"} == original
+    dtype_keys = [key for key in ("dtype", "torch_dtype") if key in original]
+    assert dtype_keys and all(config[key] == "bfloat16" for key in dtype_keys)  # the scheme's compute dtype
+    assert {k: v for k, v in config.items() if k != "quantization_config" and k not in dtype_keys} == \
+        {k: v for k, v in original.items() if k not in dtype_keys}
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert (out / "generation_config.json").read_text() == (tiny_dir / "generation_config.json").read_text()
     tensors = {n: np.asarray(SafetensorsFile(out / "model.safetensors").get_raw(n))

@@ -260,6 +260,7 @@ def export_as(fmt: Format, request: ExportRequest) -> dict[str, Any]:
         raise TopqError(f"{fmt.name} stores one layout for all linears; this model mixes {', '.join(kinds)}")
 
     config = _hf_config(model.checkpoint.path, model.checkpoint.config)
+    _set_compute_dtype(config, product.compute_dtype)
     config["quantization_config"] = fmt.config(layouts, options)
     files = {"config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n"}
     files.update(model.checkpoint.tokenizer_files)
@@ -288,6 +289,21 @@ def _float_tensor(model: Any, name: str, dtype: np.dtype) -> np.ndarray:
     if stored in FLOAT_STORED:
         return np.asarray(store.get_raw(name))
     return store.get(name).astype(target)
+
+
+COMPUTE_DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16"}
+
+
+def _set_compute_dtype(config: dict[str, Any], compute_dtype: str) -> None:
+    """The config's dtype becomes the scheme's compute dtype (bf16 / f16): a quantized checkpoint's dtype is what
+    its kernels compute in, and loaders refuse a float32 one (TPU-MLIR's llm_convert: "Not support quantize type:
+    torch.float32 with bits: 4"). Float tensors keep their stored dtype; loaders cast them."""
+    name = COMPUTE_DTYPE_NAMES.get(compute_dtype)
+    if name is None:
+        return
+    keys = [key for key in ("dtype", "torch_dtype") if key in config] or ["dtype"]
+    for key in keys:
+        config[key] = name
 
 
 def _hf_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:

@@ -3,13 +3,13 @@
     TOPQ_TPU_MLIR_LLM_CONVERT=1 bash scripts/setup-tpu-mlir.sh VENV      # TPU-MLIR + torch + transformers
     python benchmarks/llm_convert_gptq.py --tpu-mlir VENV/bin/python [--workdir DIR]
 
-A tiny random Qwen2 (2 layers, hidden 64; layer 0 is compared: llm_convert folds the final norm into the last
-block, so the last block's hidden output differs by design) is quantized by topq's GPTQ (bm1684x bundle, W4 group 32, asymmetric),
-then (1) `topq export gptq` writes it as a Hugging Face GPTQ checkpoint, which `llm_convert.py -q w4bf16 -g 32`
-compiles into bmodels; (2) `topq export tpu-mlir` (pre-quantized route) compiles the same bundle's block nets.
-Both block_0 (prefill) and block_cache_0 (decode) bmodels run on TPU-MLIR's simulator (model_runner.py) with the
-same inputs; the table says whether their outputs are bit-identical and their cosine to topq's bm1684x emulator,
-plus the wall time of each conversion (they run one after the other in this process's children).
+A tiny random Qwen2 (2 layers, hidden 64; layer 0 is compared: llm_convert folds the final norm into the last block,
+so the last block's hidden output differs by design) is quantized by topq's GPTQ (bm1684x bundle, W4 group 32,
+asymmetric), then (1) `topq export gptq` writes it as a Hugging Face GPTQ checkpoint, which `llm_convert.py -q
+w4bf16 -g 32` compiles into bmodels; (2) `topq export tpu-mlir` (pre-quantized route) compiles the same bundle's
+block nets. Both block_0 (prefill) and block_cache_0 (decode) bmodels run on TPU-MLIR's simulator (model_runner.py)
+with the same inputs; the table says whether their outputs are bit-identical and their cosine to topq's bm1684x
+emulator, plus the wall time of each conversion (they run one after the other in this process's children).
 """
 
 from __future__ import annotations

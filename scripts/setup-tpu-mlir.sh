@@ -3,6 +3,7 @@
 # (TPU-MLIR requires Python 3.10; topq runs on 3.11, so the two never share an interpreter).
 #
 #   bash scripts/setup-tpu-mlir.sh [VENV]     # default VENV: .venv-tpu-mlir in the repository
+#   TOPQ_TPU_MLIR_LLM_CONVERT=1 bash scripts/setup-tpu-mlir.sh [VENV]   # + what llm_convert.py needs (torch ...)
 #
 # Prints the venv's python on the last line (pass it as --tpu-mlir or TOPQ_TPU_MLIR). Idempotent: a venv that
 # already passes the final check is left alone, so a second run takes about a second.
@@ -42,11 +43,19 @@ find_python310() {
   return 1
 }
 
+# TPU-MLIR's own LLM converter (llm_convert.py, for comparisons with it: benchmarks/llm_convert_gptq.py) imports
+# torch and transformers. PyPI has no CPU-only torch wheel for CPython 3.10: the default one is a CUDA build whose
+# nvidia-* libraries must come along (~3 GB download, the venv grows to ~4.7 GB), so this is opt-in. torch pulls in
+# a setuptools without pkg_resources, which tpu_mlir/__init__.py imports: hence the setuptools pin after it.
+LLM_CONVERT="${TOPQ_TPU_MLIR_LLM_CONVERT:-0}"
+LLM_CONVERT_DEPS=("torch==2.13.0" "transformers==5.6.2")
+
 check() {
   # model_deploy.py and model_runner.py import the whole deploy path; model_tool is the C++ combiner.
   "$VENV/bin/model_deploy.py" --help >/dev/null 2>&1 \
     && "$VENV/bin/model_runner.py" --help >/dev/null 2>&1 \
-    && { "$VENV/bin/model_tool" 2>&1 || true; } | grep -q -- "--combine"
+    && { "$VENV/bin/model_tool" 2>&1 || true; } | grep -q -- "--combine" \
+    && { [ "$LLM_CONVERT" != 1 ] || "$VENV/bin/llm_convert.py" --help >/dev/null 2>&1; }
 }
 
 if [ -x "$VENV/bin/python" ] && check; then
@@ -61,6 +70,11 @@ PY310="$(find_python310)" || { echo "error: CPython 3.10 not found (install it o
 WHEEL="${TOPQ_TPU_MLIR_WHEEL:-}"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "${WHEEL:-tpu-mlir==$TPU_MLIR_VERSION}"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${DEPS[@]}"
+if [ "$LLM_CONVERT" = 1 ]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${LLM_CONVERT_DEPS[@]}"
+  # a separate step: torch declares setuptools>=77, pip only warns about the downgrade this way
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "setuptools<70"
+fi
 
 # The wheel ships its own glibc pieces for old distributions; loaded next to Debian's newer glibc they crash
 # every TPU-MLIR binary (tpuc-opt, model_tool, pymlir), so the system's copies must be used.

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 import topq
+from topq.core.export_source import source_recipe
 from topq.core.exporter import Exporter, ExportRequest
 from topq.core.hookspecs import Register
 from topq.core.quant import QuantScheme
@@ -43,7 +44,6 @@ from topq.plugins.exporters.tpu_mlir.translate import (
 )
 
 QUANTIZE_MODES = ("f32", "bf16", "f16", "w8bf16", "w4bf16", "w8f16", "w4f16")
-RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 @dataclass
@@ -62,14 +62,8 @@ def load_source(source: Path, prequantized: bool | None) -> Source:
     checkpoint its recipe names. `prequantized` None: the route the scheme suggests (see `use_prequantized`)."""
     from topq.core.pipeline import linear_weight_names, load_model, make_quantizer
     from topq.core.plugins import get_plugins
-    from topq.core.recipe import Recipe, load_recipe
 
-    if source.suffix.lower() in RECIPE_SUFFIXES:
-        recipe = load_recipe(source)
-    else:
-        from topq.core.bundle import Bundle
-
-        recipe = Recipe.from_dict(Bundle(source).recipe, source=str(source))
+    recipe = source_recipe(source)
     plugins = get_plugins()
     scheme = plugins.schemes.get(recipe.quant.scheme)
     options = recipe.to_dict()["quant"]

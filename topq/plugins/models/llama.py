@@ -1,4 +1,5 @@
-"""Llama family (also Mistral, SmolLM): pre-norm decoder, GQA attention with RoPE, gated SiLU MLP."""
+"""Llama family (also SmolLM): pre-norm decoder, GQA attention with RoPE, gated SiLU MLP, optional attention
+and MLP biases (`attention_bias`, `mlp_bias`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
-from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models.decoder import DECODER_FIELDS, DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
@@ -25,13 +26,14 @@ def build_block(ctx: BlockContext) -> Value:
 
 FAMILY = ModelFamily(
     name="llama",
-    architectures=("LlamaForCausalLM", "MistralForCausalLM"),
-    model_types=("llama", "mistral"),
+    architectures=("LlamaForCausalLM",),
+    model_types=("llama",),
     normalize=normalize,
     layer_weights=DECODER_LAYER_WEIGHTS,
     build_block=build_block,
     quant_groups=DECODER_QUANT_GROUPS,
-    description="Llama 2/3, SmolLM, Mistral",
+    description="Llama 2/3, SmolLM",
+    config_fields=DECODER_FIELDS,
 )
 
 

@@ -342,12 +342,19 @@ def _fattention(lw: FunctionLowering, op: Operation) -> list[str]:
     v = g.one("Transpose", [lw.operand(op, 2)], perm=[0, 2, 1, 3])  # [B, Hkv, Lk, D]
     scores = g.one("Mul", [g.one("MatMul", [q, kt]), g.scalar(float(op.attrs["scale"]))])
     scores = g.one("Reshape", [scores, g.ints([b, hq, lq, lk])])
+    if op.attrs.get("softcap"):
+        cap = g.scalar(float(op.attrs["softcap"]))
+        scores = g.one("Mul", [g.one("Tanh", [g.one("Div", [scores, cap])]), cap])
     if len(op.operands) > 3:
         scores = g.one("Add", [scores, lw.operand(op, 3)])
     if op.attrs.get("causal", True) and lq > 1:
-        # key j is hidden from query i when j > i + (Lk - Lq): a constant [Lq, Lk] of 0 / -inf
+        # key j is hidden from query i when j > i + (Lk - Lq), and with a sliding window when it is one of the
+        # new keys ≥ window positions back: a constant [Lq, Lk] of 0 / -inf
         i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
-        causal = np.where(j > i + (lk - lq), np.float32(-np.inf), np.float32(0)).astype(np.float32)
+        hidden = j > i + (lk - lq)
+        if op.attrs.get("window"):
+            hidden |= (j >= lk - lq) & (i - (j - (lk - lq)) >= int(op.attrs["window"]))
+        causal = np.where(hidden, np.float32(-np.inf), np.float32(0)).astype(np.float32)
         scores = g.one("Add", [scores, _causal_mask(g, causal)])
     probs = g.one("Softmax", [scores], axis=-1)
     probs = g.one("Reshape", [probs, g.ints([b, hkv, group * lq, lk])])
@@ -388,6 +395,10 @@ def _silu(lw: FunctionLowering, op: Operation) -> list[str]:
     return [_activation(lw.graph, lw.operand(op, 0), "silu")]
 
 
+def _tanh(lw: FunctionLowering, op: Operation) -> list[str]:
+    return [lw.graph.one("Tanh", [lw.operand(op, 0)])]
+
+
 def _gelu(lw: FunctionLowering, op: Operation) -> list[str]:
     approximate = str(op.attrs.get("approximate", "none"))
     return [_activation(lw.graph, lw.operand(op, 0), "gelu_tanh" if approximate == "tanh" else "gelu")]
@@ -423,6 +434,7 @@ RULES: dict[str, Rule] = {
     "top.FAttention": _fattention,
     "top.MLP": _mlp,
     "top.SiLU": _silu,
+    "top.Tanh": _tanh,
     "top.GELU": _gelu,
     "top.Softmax": _softmax,
     "top.TopK": _topk,

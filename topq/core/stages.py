@@ -156,8 +156,8 @@ class BlockContext:
                                      loc="attention", **options)
 
     def self_attention(self, x: Value, qk_norm: bool = False) -> Value:
-        """The usual GQA self-attention sublayer: q/k/v and o projections (biases per spec), optional per-head q/k RMSNorm
-        (weights `q_norm`, `k_norm`), RoPE, this stage's attention, o_proj. Returns the o_proj output."""
+        """The usual GQA self-attention sublayer: q/k/v projections, optional per-head q/k RMSNorm (weights `q_norm`,
+        `k_norm`), RoPE, this stage's attention, o_proj (biases as the spec says). Returns the o_proj output."""
         s = self.spec
         q = self.heads(self.linear(x, "q_proj", s.num_heads * s.head_dim, bias=s.attention_bias), s.num_heads)
         k = self.heads(self.linear(x, "k_proj", s.num_kv_heads * s.head_dim, bias=s.attention_bias), s.num_kv_heads)

@@ -5,9 +5,10 @@ weights are in Hugging Face Linear layout `[out, in]` and used with `right_trans
 `top.FAttention` takes q `[B, Lq, Hq, D]`, k/v `[B, Lk, Hkv, D]`, an optional additive mask broadcast to
 `[B, Hq, Lq, Lk]`, is causal bottom-right aligned (the first `Lk - Lq` keys are history) and returns
 `[B, Lq, Hq * D]`. Its scores are `q·k × scale`, then `softcap · tanh(score / softcap)` when `softcap` > 0
-(Gemma 2; absent or 0: none), then the mask. `window` > 0 is a sliding window: among the last `Lq` keys (the queries' own tokens)
-query i sees key j only if `i - j < window`; history keys (the first `Lk - Lq`) are windowed by the mask, which
-the runtime builds from positions, because only it knows how much of a static history buffer is filled; `top.Rope` takes x `[B, L, H, D]` and cos/sin `[B, L, R]` (R ≤ D).
+(Gemma 2; absent or 0: none), then the mask. `window` > 0 is a sliding window: among the last `Lq` keys (the
+queries' own tokens) query i sees key j only if `i - j < window`; history keys (the first `Lk - Lq`) are
+windowed by the mask, which the runtime builds from positions, because only it knows how much of a static
+history buffer is filled. `top.Rope` takes x `[B, L, H, D]` and cos/sin `[B, L, R]` (R ≤ D).
 """
 
 from __future__ import annotations

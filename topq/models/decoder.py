@@ -15,6 +15,9 @@ from topq.models.fields import refuse_unimplemented
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+    from topq.core.stages import BlockContext
+    from topq.ir.graph import Value
+
 C = TypeVar("C", bound="DataclassInstance")
 
 
@@ -197,3 +200,10 @@ DECODER_LAYER_WEIGHTS: dict[str, str] = {
 #: Linears that share an input in such a layer (AWQ scales each group together).
 DECODER_QUANT_GROUPS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def pre_norm_block(ctx: BlockContext) -> Value:
+    """The Llama block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    b, x = ctx.b, ctx.hidden
+    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
+    return b.top.Add(x, ctx.mlp(ctx.rms_norm(x, "post_attention_layernorm")))

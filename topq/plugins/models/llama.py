@@ -9,19 +9,11 @@ from typing import Any
 import topq
 from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
-from topq.core.stages import BlockContext
-from topq.ir.graph import Value
-from topq.models.decoder import DECODER_FIELDS, DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models import decoder
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
-    return normalize_llama_like(config, "llama")
-
-
-def build_block(ctx: BlockContext) -> Value:
-    b, x = ctx.b, ctx.hidden
-    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
-    return b.top.Add(x, ctx.mlp(ctx.rms_norm(x, "post_attention_layernorm")))
+    return decoder.normalize_llama_like(config, "llama")
 
 
 FAMILY = ModelFamily(
@@ -29,11 +21,11 @@ FAMILY = ModelFamily(
     architectures=("LlamaForCausalLM",),
     model_types=("llama",),
     normalize=normalize,
-    layer_weights=DECODER_LAYER_WEIGHTS,
-    build_block=build_block,
-    quant_groups=DECODER_QUANT_GROUPS,
+    layer_weights=decoder.DECODER_LAYER_WEIGHTS,
+    build_block=decoder.pre_norm_block,
+    quant_groups=decoder.DECODER_QUANT_GROUPS,
     description="Llama 2/3, SmolLM",
-    config_fields=DECODER_FIELDS,
+    config_fields=decoder.DECODER_FIELDS,
 )
 
 

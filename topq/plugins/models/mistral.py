@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import topq
 from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
-from topq.models.decoder import DECODER_FIELDS, layer_windows, normalize_llama_like
-from topq.plugins.models import llama
+from topq.models import decoder
 
-FIELDS = DECODER_FIELDS - {"attention_bias", "mlp_bias"} | {"sliding_window"}  # Mistral's linears have no bias
+FIELDS = decoder.DECODER_FIELDS - {"attention_bias", "mlp_bias"} | {"sliding_window"}  # no biases in Mistral
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
-    return normalize_llama_like(config, "mistral", FIELDS, layer_windows=layer_windows(config, lambda layer: True))
+    windows = decoder.layer_windows(config, lambda layer: True)
+    return decoder.normalize_llama_like(config, "mistral", FIELDS, layer_windows=windows)
 
 
-FAMILY = replace(llama.FAMILY, name="mistral", architectures=("MistralForCausalLM",), model_types=("mistral",),
-                 normalize=normalize, description="Mistral (sliding window)", config_fields=FIELDS)
+FAMILY = ModelFamily(name="mistral", architectures=("MistralForCausalLM",), model_types=("mistral",),
+                     normalize=normalize, layer_weights=decoder.DECODER_LAYER_WEIGHTS,
+                     build_block=decoder.pre_norm_block, quant_groups=decoder.DECODER_QUANT_GROUPS,
+                     config_fields=FIELDS, description="Mistral (sliding window)")
 
 
 @topq.hookimpl

@@ -163,3 +163,16 @@ def test_dynamic_rope_beyond_its_length_is_refused() -> None:
                      max_position_embeddings=128, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(TopqError, match="seq_length=256 must not exceed it"):
         rope_inv_freq(spec, 256)
+
+
+def test_models_doc_table_matches_the_families() -> None:
+    """docs/models.md lists each built-in family with exactly the fields it honors and the ones it refuses."""
+    from data_paths import REPO
+
+    docs = (REPO / "docs" / "models.md").read_text()
+    for family_name in FAMILY_KINDS:
+        family = get_plugins().families.get(family_name)
+        honored = ", ".join(f"`{n}`" for n in sorted(family.config_fields))
+        refused = ", ".join(f"`{n}`" for n in NUMERIC_FIELDS if n not in family.config_fields)
+        row = f"| `{family_name}` | {', '.join(family.architectures)} | {honored} | {refused} |"
+        assert row in docs, f"docs/models.md has no row {row}"

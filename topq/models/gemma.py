@@ -15,7 +15,7 @@ from topq.ir.graph import Value
 from topq.models.decoder import DECODER_FIELDS, DECODER_LAYER_WEIGHTS
 from topq.models.weightmap import AddScalar, WeightRule
 
-GEMMA_FIELDS = DECODER_FIELDS | {"sliding_window", "layer_types", "attn_logit_softcapping",
+GEMMA_FIELDS = DECODER_FIELDS - {"mlp_bias"} | {"sliding_window", "layer_types", "attn_logit_softcapping",
                                  "final_logit_softcapping", "query_pre_attn_scalar"}
 LAYER_WEIGHTS = {
     **DECODER_LAYER_WEIGHTS,

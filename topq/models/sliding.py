@@ -8,7 +8,8 @@ from typing import Any
 
 from topq.models.decoder import DECODER_FIELDS, layer_windows
 
-QWEN_WINDOW_FIELDS = DECODER_FIELDS | {"sliding_window", "use_sliding_window", "layer_types"}
+#: Qwen2 / Qwen3 MLPs have no biases; the window fields are read by `qwen_windows`.
+QWEN_WINDOW_FIELDS = DECODER_FIELDS - {"mlp_bias"} | {"sliding_window", "use_sliding_window", "layer_types"}
 
 
 def qwen_windows(config: Mapping[str, Any]) -> tuple[int, ...]:

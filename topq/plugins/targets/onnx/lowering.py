@@ -348,14 +348,12 @@ def _fattention(lw: FunctionLowering, op: Operation) -> list[str]:
     if len(op.operands) > 3:
         scores = g.one("Add", [scores, lw.operand(op, 3)])
     if op.attrs.get("causal", True) and lq > 1:
-        # key j is hidden from query i when j > i + (Lk - Lq), and with a sliding window when it is one of the
-        # new keys ≥ window positions back: a constant [Lq, Lk] of 0 / -inf
+        # key j is hidden from query i when j > i + (Lk - Lq): a constant [Lq, Lk] of 0 / -inf
         i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
-        hidden = j > i + (lk - lq)
-        if op.attrs.get("window"):
-            hidden |= (j >= lk - lq) & (i - (j - (lk - lq)) >= int(op.attrs["window"]))
-        causal = np.where(hidden, np.float32(-np.inf), np.float32(0)).astype(np.float32)
+        causal = np.where(j > i + (lk - lq), np.float32(-np.inf), np.float32(0)).astype(np.float32)
         scores = g.one("Add", [scores, _causal_mask(g, causal)])
+        if op.attrs.get("window"):
+            scores = g.one("Add", [scores, _window_mask(g, lq, lk, int(op.attrs["window"]))])
     probs = g.one("Softmax", [scores], axis=-1)
     probs = g.one("Reshape", [probs, g.ints([b, hkv, group * lq, lk])])
     out = g.one("MatMul", [probs, v])  # [B, Hkv, g*Lq, D]
@@ -372,6 +370,22 @@ def _causal_mask(g: GraphBuilder, mask: np.ndarray) -> str:
         full = g.one("ConstantOfShape", [g.ints([lq, lk])],
                      value=numpy_helper.from_array(np.asarray([-np.inf], np.float32)))
         g._cache[key] = g.one("Trilu", [full, g.constant(np.asarray(lk - lq + 1, np.int64), "k")], upper=1)
+    return g._cache[key]
+
+
+def _window_mask(g: GraphBuilder, lq: int, lk: int, window: int) -> str:
+    """-inf where new key j is `window` or more positions behind query i (i - j ≥ window), 0 elsewhere and on
+    the history columns (the runtime's mask windows those): [Lq, Lk], built in the graph like the causal mask."""
+    key = ("window", lq, lk, window)
+    if key not in g._cache:
+        full = g.one("ConstantOfShape", [g.ints([lq, lq])],
+                     value=numpy_helper.from_array(np.asarray([-np.inf], np.float32)))
+        band = g.one("Trilu", [full, g.constant(np.asarray(-window, np.int64), "k")], upper=0)
+        if lk > lq:
+            history = g.one("ConstantOfShape", [g.ints([lq, lk - lq])],
+                            value=numpy_helper.from_array(np.asarray([0.0], np.float32)))
+            band = g.one("Concat", [history, band], axis=1)
+        g._cache[key] = band
     return g._cache[key]
 
 

@@ -5,15 +5,16 @@ and of the logits, alternating sliding-window layers."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from topq.core.family import ModelFamily
 from topq.core.spec import ModelSpec
 from topq.core.stages import BlockContext
 from topq.ir.builder import Builder
 from topq.ir.graph import Value
-from topq.models.decoder import DECODER_FIELDS, DECODER_LAYER_WEIGHTS
-from topq.models.weightmap import AddScalar, WeightRule
+from topq.models.decoder import DECODER_FIELDS, DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS
+from topq.models.weightmap import AddScalar, WeightRule, weight_map
 
 GEMMA_FIELDS = DECODER_FIELDS - {"mlp_bias"} | {"sliding_window", "layer_types", "attn_logit_softcapping",
                                  "final_logit_softcapping", "query_pre_attn_scalar"}
@@ -64,3 +65,12 @@ def soft_cap_logits(b: Builder, spec: ModelSpec, logits: Value) -> Value:
     cap = spec.final_softcap
     capped = b.top.Tanh(b.top.MulConst(logits, const_val=1.0 / cap, loc="softcap_in"), loc="softcap")
     return b.top.MulConst(capped, const_val=cap, loc="softcap_out")
+
+
+def gemma_family(name: str, architecture: str, model_type: str, normalize: Callable[[Mapping[str, Any]], ModelSpec],
+                 config_fields: frozenset[str], description: str) -> ModelFamily:
+    """A Gemma family: the shared block, weights, norm mapping and hooks, with its own config reading."""
+    return ModelFamily(name=name, architectures=(architecture,), model_types=(model_type,), normalize=normalize,
+                       layer_weights=LAYER_WEIGHTS, build_block=build_block, quant_groups=DECODER_QUANT_GROUPS,
+                       map_weights=weight_map(norm_rules()), embed_hook=scale_embedding, head_hook=soft_cap_logits,
+                       config_fields=config_fields, description=description)

@@ -9,8 +9,7 @@ import topq
 from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.models import gemma
-from topq.models.decoder import DECODER_QUANT_GROUPS, layer_windows, normalize_llama_like
-from topq.models.weightmap import weight_map
+from topq.models.decoder import layer_windows, normalize_llama_like
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
@@ -18,20 +17,8 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
                                 layer_windows=layer_windows(config, lambda layer: layer % 2 == 0))
 
 
-FAMILY = ModelFamily(
-    name="gemma2",
-    architectures=("Gemma2ForCausalLM",),
-    model_types=("gemma2",),
-    normalize=normalize,
-    layer_weights=gemma.LAYER_WEIGHTS,
-    build_block=gemma.build_block,
-    quant_groups=DECODER_QUANT_GROUPS,
-    map_weights=weight_map(gemma.norm_rules()),
-    embed_hook=gemma.scale_embedding,
-    head_hook=gemma.soft_cap_logits,
-    config_fields=gemma.GEMMA_FIELDS,
-    description="Gemma 2 (soft-capping, alternating sliding window)",
-)
+FAMILY = gemma.gemma_family("gemma2", "Gemma2ForCausalLM", "gemma2", normalize, gemma.GEMMA_FIELDS,
+                            "Gemma 2 (soft-capping, alternating sliding window)")
 
 
 @topq.hookimpl

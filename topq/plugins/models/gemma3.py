@@ -11,8 +11,7 @@ from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.models import gemma
-from topq.models.decoder import DECODER_QUANT_GROUPS, layer_windows, normalize_llama_like
-from topq.models.weightmap import weight_map
+from topq.models.decoder import layer_windows, normalize_llama_like
 
 FIELDS = gemma.GEMMA_FIELDS | {"rope_local_base_freq"}
 
@@ -39,20 +38,8 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
                                 qk_norm=True, layer_windows=layer_windows(config, lambda i: (i + 1) % pattern != 0))
 
 
-FAMILY = ModelFamily(
-    name="gemma3",
-    architectures=("Gemma3ForCausalLM",),
-    model_types=("gemma3_text",),
-    normalize=normalize,
-    layer_weights=gemma.LAYER_WEIGHTS,
-    build_block=gemma.build_block,
-    quant_groups=DECODER_QUANT_GROUPS,
-    map_weights=weight_map(gemma.norm_rules()),
-    embed_hook=gemma.scale_embedding,
-    head_hook=gemma.soft_cap_logits,
-    config_fields=FIELDS,
-    description="Gemma 3 text (q/k norm, local RoPE, 5:1 sliding window)",
-)
+FAMILY = gemma.gemma_family("gemma3", "Gemma3ForCausalLM", "gemma3_text", normalize, FIELDS,
+                            "Gemma 3 text (q/k norm, local RoPE, 5:1 sliding window)")
 
 
 @topq.hookimpl

@@ -87,6 +87,9 @@ def test_windows_and_biases_reach_the_spec() -> None:
     gemma3 = families.get("gemma3").normalize(hf_config("gemma3"))
     assert gemma3.local_rope_theta == 1e4 and gemma3.rope_theta == 1e6 and gemma3.qk_norm
     assert gemma3.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    phi3 = families.get("phi3").normalize(hf_config("phi3"))
+    assert phi3.layer_windows == (10, 10) and phi3.rope_scaling is not None
+    assert phi3.rope_scaling["rope_type"] == "longrope" and phi3.rope_scaling["original_max_position_embeddings"] == 64
     llama = families.get("llama").normalize(hf_config("llama_bias"))
     assert llama.attention_bias and llama.o_proj_bias and llama.mlp_bias
     with pytest.raises(TopqError, match="layer_types has chunked_attention"):

@@ -42,7 +42,8 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {
-        "sliding_window": 10, "original_max_position_embeddings": 64,  # = the bundles' seq_length: the short factors, as transformers
+        # original_max_position_embeddings = the bundles' seq_length: the short factors, as transformers uses
+        "sliding_window": 10, "original_max_position_embeddings": 64,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                             "long_factor": [1.0, 1.5, 2.2, 3.0, 4.0, 5.5, 7.0, 9.0]}}),

@@ -12,7 +12,10 @@ from host_bundles import TinyCheckpoint
 from test_bm1684x import function_cosines, recipe
 
 from topq.core.bundle import Bundle
+from topq.core.errors import TopqError
 from topq.core.pipeline import convert
+from topq.ir.parser import parse_module
+from topq.plugins.exporters.tpu_mlir.translate import translate_function
 
 KINDS = ["mistral_window", "qwen2_window", "llama_bias", "gemma2", "gemma3", "phi3"]
 SCHEMES = [("bf16", {}, 0.9999), ("w4bf16", {"group_size": 32}, 0.99)]
@@ -42,3 +45,12 @@ def test_every_function_matches_host(checkpoints: dict[str, Path], tmp_path: Pat
         assert "window = 6" in program  # the lowered attention carries the window
     if kind == "gemma2":
         assert "tpu.Tanh" in program and "softcap = 5.0" in program
+
+
+def test_tpu_mlir_export_refuses_attention_options_by_name(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """TPU-MLIR's attention has no soft-capping or window: the export names the option instead of dropping it."""
+    convert(recipe(checkpoints["gemma2"], "host", "f32", tmp_path / "g.topq"), progress=False)
+    module = parse_module(Bundle(tmp_path / "g.topq").program)
+    functions = {f.name: f for f in module}
+    with pytest.raises(TopqError, match=r"function block_0: top.FAttention softcap=5.0 has no TPU-MLIR mapping"):
+        translate_function(functions["block_0"], lambda name: None)

@@ -28,6 +28,25 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "rope_theta": 5000.0,
         "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 16}}),
+    # issue 12: windows of 6 tokens, so every stage of the tiny bundles (L = 16, S = 64) runs past them
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM", {
+        "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # layer 1 slides
+    "llama_bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0, "hidden_activation": "gelu_pytorch_tanh"}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        # original_max_position_embeddings = the bundles' seq_length: the short factors, as transformers uses
+        "sliding_window": 10, "original_max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                            "long_factor": [1.0, 1.5, 2.2, 3.0, 4.0, 5.5, 7.0, 9.0]}}),
 }
 
 

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     # Type-only: stages imports this module at run time (family → stages would be a cycle).
     from topq.core.checkpoint import WeightStore
     from topq.core.stages import BlockContext
+    from topq.ir.builder import Builder
+    from topq.ir.graph import Value
+
+#: `hook(builder, spec, value) -> value`: a family's step after the embedding gather or after the lm_head matmul.
+GraphHook = Callable[["Builder", ModelSpec, "Value"], "Value"]
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -29,7 +34,10 @@ class ModelFamily:
     use. `map_weights(spec, store)` gives the checkpoint's tensors under those names when the checkpoint stores
     them otherwise (fused, transformed: `topq.models.weightmap.weight_map` builds one from declarative rules);
     None reads every name as is. `quant_groups` lists the linears that share an input (AWQ scales
-    them together). `build_block(ctx)` builds one transformer block.
+    them together). `build_block(ctx)` builds one transformer block. `embed_hook` transforms the embedding's
+    output (Gemma's √H scale) and `head_hook` the logits (final soft-capping); None leaves them as they are.
+    `config_fields` lists the Hugging Face config fields that change the numerics which the family implements
+    (`topq.models.fields`: any other such field away from its neutral value is refused).
     """
 
     name: str
@@ -48,6 +56,9 @@ class ModelFamily:
     quant_groups: tuple[tuple[str, ...], ...] = ()
     description: str = ""
     map_weights: Callable[[ModelSpec, WeightStore], WeightStore] | None = None
+    embed_hook: GraphHook | None = None
+    head_hook: GraphHook | None = None
+    config_fields: frozenset[str] = frozenset()
 
     def weights(self, spec: ModelSpec, store: WeightStore) -> WeightStore:
         """The checkpoint's tensors under the names the Top IR reads (`store` itself when the family maps

@@ -17,6 +17,7 @@ import numpy as np
 from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
+from topq.core.stages import stage_window
 from topq.core.target import Executor
 
 NEG_INF = np.float32(-np.inf)
@@ -85,6 +86,7 @@ class Session:
         shape = (1, self.seq_length, spec.num_kv_heads, spec.head_dim)
         self.k_cache = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
         self.v_cache = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        self.windows = [stage_window(spec, layer, self.seq_length) for layer in range(spec.num_layers)]
         self.tokens: list[int] = []  # what the KV cache holds
         self.calls: list[str] = []  # functions run, for tests and inspection
 
@@ -158,15 +160,28 @@ class Session:
     def _prefill_kv(self, chunk: Sequence[int]) -> np.ndarray:
         L, S = self.max_input_length, self.seq_length
         ids, positions = self._padded(chunk, L)
-        mask = np.zeros((1, 1, 1, S + L), np.float32)
-        mask[..., self.length:S] = NEG_INF  # unfilled history slots; new keys are handled causally
+        masks = {w: self._history_mask(S, L, w) for w in set(self.windows)}
         (hidden,) = self._run("embedding", [ids])
         for layer in range(self.spec.num_layers):
-            hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, mask, self.k_cache[layer],
-                                                           self.v_cache[layer]])
+            hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, masks[self.windows[layer]],
+                                                           self.k_cache[layer], self.v_cache[layer]])
             self._store_kv(layer, k, v, len(chunk))
         self.tokens.extend(chunk)
         return hidden
+
+    def _history_mask(self, slots: int, queries: int, window: int) -> np.ndarray:
+        """The additive key mask of a history stage: `slots` cache rows (the first `self.length` filled) and
+        `queries` new keys, which the attention itself hides causally. A sliding-window layer also hides the
+        history its queries are too far from: query i (position length + i) sees slot j only when
+        length + i - j < window, so its prefill-with-history mask has one row per query."""
+        filled = self.length
+        rows = queries if window and queries > 1 else 1
+        mask = np.zeros((1, 1, rows, slots + queries), np.float32)
+        mask[..., filled:slots] = NEG_INF  # unfilled history slots
+        if window:
+            i, j = np.arange(rows)[:, None], np.arange(slots)[None, :]
+            mask[0, 0, :, :slots][j <= filled + i - window] = NEG_INF
+        return mask
 
     def decode_variant(self, history: int) -> int:
         """The smallest decode variant whose history length holds `history` tokens."""
@@ -183,12 +198,12 @@ class Session:
         suffix = "" if variant == self.seq_length else f"_{variant}"
         ids = np.array([[token]], np.int32)
         positions = np.array([[history]], np.int32)
-        mask = np.zeros((1, 1, 1, variant + 1), np.float32)
-        mask[..., history:variant] = NEG_INF
+        masks = {w: self._history_mask(variant, 1, w) for w in set(self.windows)}
         (hidden,) = self._run("embedding_cache", [ids])
         for layer in range(self.spec.num_layers):
             hidden, k, v = self._run(f"block_cache_{layer}{suffix}", [
-                hidden, positions, mask, self.k_cache[layer][:, :variant], self.v_cache[layer][:, :variant]])
+                hidden, positions, masks[self.windows[layer]], self.k_cache[layer][:, :variant],
+                self.v_cache[layer][:, :variant]])
             self._store_kv(layer, k, v, 1)
         self.tokens.append(token)
         return hidden

@@ -36,14 +36,24 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
+    attention_scale: float = 0.0  # 0: 1/sqrt(head_dim); Gemma: query_pre_attn_scalar ** -0.5
+    attn_softcap: float = 0.0  # 0: none; else scores ← c·tanh(scores/c) (Gemma 2)
+    final_softcap: float = 0.0  # the same on the logits, applied by the family's head hook
+    layer_windows: tuple[int, ...] = ()  # per layer sliding window in tokens, 0 = full attention; () = all full
+    local_rope_theta: float = 0.0  # RoPE base (default type) of the sliding-window layers; 0 = the global RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     #: sizes the graph divides by or allocates: a config giving 0, a negative or a non-integer is refused here
     POSITIVE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "vocab_size")
+
+    WRITTEN_WHEN_SET = ("o_proj_bias", "mlp_bias", "attention_scale", "attn_softcap", "final_softcap", "layer_windows",
+                        "local_rope_theta")
 
     def __post_init__(self) -> None:
         for name in self.POSITIVE:
@@ -55,6 +65,14 @@ class ModelSpec:
             raise TopqError(f"{self.architecture}: {self.num_heads} attention heads are not a multiple of "
                             f"{self.num_kv_heads} key/value heads")
 
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise TopqError(f"{self.architecture}: {len(self.layer_windows)} layer windows for {self.num_layers} "
+                            "layers")
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer` in tokens (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
     @property
     def rope_dim(self) -> int:
         return self.rotary_dim or self.head_dim
@@ -62,6 +80,12 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["layer_windows"] = list(self.layer_windows)
+        # Fields added after the bundle format settled are written only when used, so the bundles of models
+        # that do not use them stay byte-identical to earlier ones.
+        for f in fields(self):
+            if f.name in self.WRITTEN_WHEN_SET and getattr(self, f.name) == f.default:
+                del d[f.name]
         return d
 
     @classmethod
@@ -72,4 +96,5 @@ class ModelSpec:
             raise TopqError(f"model spec has unknown fields: {', '.join(sorted(unknown))}")
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_windows"] = tuple(d.get("layer_windows", ()))
         return cls(**d)

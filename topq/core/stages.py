@@ -27,12 +27,14 @@ import numpy as np
 
 from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec
+from topq.core.rope import rope_inv_freq
 from topq.ir.builder import Builder
 from topq.ir.graph import Module, Value
 from topq.ir.reference_ops import rope_tables
 from topq.ir.types import tensor
 
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"
+ROPE_LOCAL_COS, ROPE_LOCAL_SIN = "rope_local.cos", "rope_local.sin"
 
 
 class Stage(Enum):
@@ -63,6 +65,19 @@ class StageConfig:
                    tuple(int(c) for c in stages.decode_chunks))
 
 
+def stage_window(spec: ModelSpec, layer: int, seq_length: int) -> int:
+    """`layer`'s sliding window in a program of `seq_length` positions: 0 for full attention, and for a window
+    that covers every position anyway."""
+    window = spec.window(layer)
+    return window if 0 < window < seq_length else 0
+
+
+def mask_rows(spec: ModelSpec, stage: Stage, layer: int, length: int, seq_length: int) -> int:
+    """Rows of a history stage's key mask: one row shared by every query, except a sliding-window layer's
+    prefill-with-history, where each query's window starts elsewhere in the history (one row per query)."""
+    return length if stage is Stage.PREFILL_KV and stage_window(spec, layer, seq_length) else 1
+
+
 def block_name(stage: Stage, layer: int, history: int = 0, seq_length: int = 0) -> str:
     if stage is Stage.PREFILL:
         return f"block_{layer}"
@@ -76,7 +91,8 @@ class BlockContext:
 
     def __init__(self, builder: Builder, spec: ModelSpec, family: ModelFamily, layer: int, stage: Stage,
                  hidden: Value, cos: Value, sin: Value, shapes: Mapping[str, tuple[int, ...]] | None,
-                 mask: Value | None = None, history_k: Value | None = None, history_v: Value | None = None) -> None:
+                 mask: Value | None = None, history_k: Value | None = None, history_v: Value | None = None,
+                 window: int = 0) -> None:
         self.b = builder
         self.spec = spec
         self.family = family
@@ -86,6 +102,7 @@ class BlockContext:
         self.cos, self.sin = cos, sin
         self.shapes = shapes
         self.mask, self.history_k, self.history_v = mask, history_k, history_v
+        self.window = window  # this layer's sliding window in tokens (0: full attention)
         self.k_out: Value | None = None
         self.v_out: Value | None = None
 
@@ -128,12 +145,19 @@ class BlockContext:
             k = self.b.top.Concat(self.history_k, k, axis=1, loc="history_k")
             v = self.b.top.Concat(self.history_v, v, axis=1, loc="history_v")
         operands = (q, k, v) if self.mask is None else (q, k, v, self.mask)
-        return self.b.top.FAttention(*operands, q_head=self.spec.num_heads, kv_head=self.spec.num_kv_heads,
-                                     scale=1.0 / math.sqrt(self.spec.head_dim), causal=True, loc="attention")
+        s = self.spec
+        options: dict[str, Any] = {}  # set only when used: other models' IR stays as it was
+        if s.attn_softcap:
+            options["softcap"] = s.attn_softcap
+        if self.window:
+            options["window"] = self.window
+        return self.b.top.FAttention(*operands, q_head=s.num_heads, kv_head=s.num_kv_heads,
+                                     scale=s.attention_scale or 1.0 / math.sqrt(s.head_dim), causal=True,
+                                     loc="attention", **options)
 
     def self_attention(self, x: Value, qk_norm: bool = False) -> Value:
-        """The usual GQA self-attention sublayer: q/k/v projections (bias per spec), optional per-head q/k RMSNorm
-        (weights `q_norm`, `k_norm`), RoPE, this stage's attention, o_proj. Returns the o_proj output."""
+        """The usual GQA self-attention sublayer: q/k/v projections, optional per-head q/k RMSNorm (weights `q_norm`,
+        `k_norm`), RoPE, this stage's attention, o_proj (biases as the spec says). Returns the o_proj output."""
         s = self.spec
         q = self.heads(self.linear(x, "q_proj", s.num_heads * s.head_dim, bias=s.attention_bias), s.num_heads)
         k = self.heads(self.linear(x, "k_proj", s.num_kv_heads * s.head_dim, bias=s.attention_bias), s.num_kv_heads)
@@ -141,14 +165,21 @@ class BlockContext:
         if qk_norm:
             q, k = self.rms_norm(q, "q_norm"), self.rms_norm(k, "k_norm")
         attn = self.attention(self.rope(q), self.rope(k), v)
-        return self.linear(attn, "o_proj", s.hidden_size)
+        return self.linear(attn, "o_proj", s.hidden_size, bias=s.o_proj_bias)
 
     def mlp(self, x: Value, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> Value:
+        """The gated MLP down(act(gate(x)) · up(x)): one `top.MLP`, or its parts when the spec has MLP biases
+        (`top.MLP` has none)."""
         inter, hidden = self.spec.intermediate_size, self.spec.hidden_size
         act = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(
             self.spec.hidden_act)
         if act is None:
             raise TopqError(f"activation {self.spec.hidden_act!r} is not supported (silu, gelu, gelu_pytorch_tanh)")
+        if self.spec.mlp_bias:
+            g = self.linear(x, gate, inter, bias=True)
+            a = self.b.top.SiLU(g) if act == "silu" else self.b.top.GELU(
+                g, approximate="tanh" if act == "gelu_tanh" else "none")
+            return self.linear(self.b.top.Mul(a, self.linear(x, up, inter, bias=True)), down, hidden, bias=True)
         return self.b.top.MLP(x, self.weight(gate, (inter, hidden)), self.weight(up, (inter, hidden)),
                               self.weight(down, (hidden, inter)), act=act, loc="mlp")
 
@@ -169,36 +200,24 @@ def named_weight(b: Builder, name: str, shape: tuple[int, ...], shapes: Mapping[
 # --------------------------------------------------------------------------------------- RoPE tables
 
 
-def rope_inv_freq(spec: ModelSpec) -> tuple[np.ndarray, float]:
-    """inv_freq and attention scaling for the spec's rope type (default, linear, llama3), as transformers computes
-    them."""
-    dim = spec.rope_dim
-    inv_freq = 1.0 / (np.float32(spec.rope_theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    inv_freq = inv_freq.astype(np.float32)
-    scaling = spec.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind == "linear":
-        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32), 1.0
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
-    raise TopqError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
-
-
 def rope_weights(spec: ModelSpec, seq_length: int) -> dict[str, np.ndarray]:
-    inv_freq, attention_scaling = rope_inv_freq(spec)
+    """The RoPE cos/sin tables the program gathers from: the global RoPE, and the sliding-window layers' own
+    (default type, `local_rope_theta`) when the spec has one (Gemma 3)."""
+    inv_freq, attention_scaling = rope_inv_freq(spec, seq_length)
     cos, sin = rope_tables(np.arange(seq_length), inv_freq, spec.rope_mode, attention_scaling)
-    return {ROPE_COS: cos, ROPE_SIN: sin}
+    tables = {ROPE_COS: cos, ROPE_SIN: sin}
+    if spec.local_rope_theta:
+        inv_freq, attention_scaling = rope_inv_freq(spec, seq_length, spec.local_rope_theta, {})
+        cos, sin = rope_tables(np.arange(seq_length), inv_freq, spec.rope_mode, attention_scaling)
+        tables.update({ROPE_LOCAL_COS: cos, ROPE_LOCAL_SIN: sin})
+    return tables
+
+
+def rope_table_names(spec: ModelSpec, layer: int) -> tuple[str, str]:
+    """The cos/sin tables of `layer`."""
+    if spec.local_rope_theta and spec.window(layer):
+        return ROPE_LOCAL_COS, ROPE_LOCAL_SIN
+    return ROPE_COS, ROPE_SIN
 
 
 # --------------------------------------------------------------------------------------- the program
@@ -215,7 +234,8 @@ def build_program(spec: ModelSpec, family: ModelFamily, config: StageConfig,
         raise TopqError("stages.max_input_length must not exceed stages.seq_length")
     S, L, H = config.seq_length, config.max_input_length, spec.hidden_size
     if shapes is not None:
-        shapes = {**shapes, ROPE_COS: (S, spec.rope_dim), ROPE_SIN: (S, spec.rope_dim)}
+        shapes = {**shapes, **{name: (S, spec.rope_dim) for name in (ROPE_COS, ROPE_SIN, ROPE_LOCAL_COS,
+                                                                     ROPE_LOCAL_SIN)}}
     b = Builder()
     b.module.attrs = {
         "topq.seq_length": S,
@@ -228,7 +248,8 @@ def build_program(spec: ModelSpec, family: ModelFamily, config: StageConfig,
     for name, length in (("embedding", L), ("embedding_cache", 1)):
         with b.function(name, tensor(1, length, dtype="i32")) as f:
             table = named_weight(b, embed, (spec.vocab_size, H), shapes)
-            f.returns(b.top.Gather(table, f.args[0], axis=0, loc="embed"))
+            hidden = b.top.Gather(table, f.args[0], axis=0, loc="embed")
+            f.returns(family.embed_hook(b, spec, hidden) if family.embed_hook else hidden)
 
     for layer in range(spec.num_layers):
         _build_block_function(b, spec, family, Stage.PREFILL, layer, L, 0, shapes, S)
@@ -241,8 +262,9 @@ def build_program(spec: ModelSpec, family: ModelFamily, config: StageConfig,
         norm = named_weight(b, family.global_weights["final_norm"], (H,), shapes)
         h = b.top.RMSNorm(f.args[0], norm, eps=spec.rms_norm_eps, loc="final_norm")
         head = family.global_weights["embed"] if spec.tie_word_embeddings else family.global_weights["lm_head"]
-        f.returns(b.top.MatMul(h, named_weight(b, head, (spec.vocab_size, H), shapes), right_transpose=True,
-                               loc="lm_head"))
+        logits = b.top.MatMul(h, named_weight(b, head, (spec.vocab_size, H), shapes), right_transpose=True,
+                              loc="lm_head")
+        f.returns(family.head_hook(b, spec, logits) if family.head_hook else logits)
     return b.module
 
 
@@ -252,15 +274,18 @@ def _build_block_function(b: Builder, spec: ModelSpec, family: ModelFamily, stag
     H, KVH, D = spec.hidden_size, spec.num_kv_heads, spec.head_dim
     inputs = [tensor(1, length, H), tensor(1, length, dtype="i32")]
     if stage.with_history:
-        inputs += [tensor(1, 1, 1, history + length), tensor(1, history, KVH, D), tensor(1, history, KVH, D)]
+        inputs += [tensor(1, 1, mask_rows(spec, stage, layer, length, seq_length), history + length),
+                   tensor(1, history, KVH, D), tensor(1, history, KVH, D)]
     name = block_name(stage, layer, history, seq_length)
     with b.function(name, *inputs, attrs={"stage": stage.value, "layer": layer}) as f, b.scope(f"layers.{layer}."):
         hidden, positions, *rest = f.args
         R = spec.rope_dim
-        cos = b.top.Gather(b.weight(ROPE_COS, tensor(seq_length, R)), positions, axis=0, loc="rope_cos")
-        sin = b.top.Gather(b.weight(ROPE_SIN, tensor(seq_length, R)), positions, axis=0, loc="rope_sin")
+        cos_table, sin_table = rope_table_names(spec, layer)
+        cos = b.top.Gather(b.weight(cos_table, tensor(seq_length, R)), positions, axis=0, loc="rope_cos")
+        sin = b.top.Gather(b.weight(sin_table, tensor(seq_length, R)), positions, axis=0, loc="rope_sin")
         mask, history_k, history_v = rest if rest else (None, None, None)
-        ctx = BlockContext(b, spec, family, layer, stage, hidden, cos, sin, shapes, mask, history_k, history_v)
+        ctx = BlockContext(b, spec, family, layer, stage, hidden, cos, sin, shapes, mask, history_k, history_v,
+                           window=stage_window(spec, layer, seq_length))
         out = family.build_block(ctx)
         if ctx.k_out is None or ctx.v_out is None:
             raise TopqError(f"family {family.name}: build_block never called ctx.attention")

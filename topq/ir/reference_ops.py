@@ -266,6 +266,22 @@ def _rope(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
 # ---------------------------------------------------------------------- attention
 
 
+def soft_cap(scores: np.ndarray, cap: np.float32) -> None:
+    """scores ← cap · tanh(scores / cap), in place (Gemma 2's attention and final-logit soft-capping)."""
+    scores /= cap
+    np.tanh(scores, out=scores)
+    scores *= cap
+
+
+def hide_outside_window(scores: np.ndarray, window: int) -> None:
+    """Sliding window over the trailing Lq keys of scores [..., Lq, Lk] (the queries' own tokens, bottom-right
+    aligned): query i loses new key j when i - j ≥ window. History columns are the mask's business."""
+    lq, lk = scores.shape[-2:]
+    i = np.arange(lq)[:, None]
+    j = np.arange(lq)[None, :]
+    np.copyto(scores[..., lk - lq:], np.float32(-np.inf), where=i - j >= window)
+
+
 def _fattention(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     op = "top.FAttention"
     _arity(op, inputs, 3, 4)
@@ -274,6 +290,8 @@ def _fattention(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndar
     hq, hkv = int(_attr(op, attrs, "q_head")), int(_attr(op, attrs, "kv_head"))
     scale = np.float32(_attr(op, attrs, "scale"))
     causal = bool(attrs.get("causal", True))
+    softcap = np.float32(attrs.get("softcap") or 0.0)
+    window = int(attrs.get("window") or 0)
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise TopqError(
             f"{op}: want q [B,Lq,Hq,D], k/v [B,Lk,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}"
@@ -293,6 +311,8 @@ def _fattention(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndar
     scores = np.matmul(qg, kt)  # [B, Hkv, g*Lq, Lk], freshly allocated
     scores *= scale
     scores = scores.reshape(b, hq, lq, lk)  # contiguous: a free view
+    if softcap > 0:
+        soft_cap(scores, softcap)
     if mask is not None:
         try:
             np.add(scores, _f32(mask), out=scores)
@@ -305,6 +325,8 @@ def _fattention(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndar
         i = np.arange(lq)[:, None]
         j = np.arange(lk)[None, :]
         np.copyto(scores, np.float32(-np.inf), where=j > i + (lk - lq))
+    if window > 0:
+        hide_outside_window(scores, window)
     m = scores.max(axis=-1, keepdims=True)
     dead = m <= FULLY_MASKED_SCORE
     m[dead] = 0  # exp(score - 0) underflows to 0 for every masked score -> zero row
@@ -458,6 +480,11 @@ def _silu_op(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray
     return [silu(inputs[0])]
 
 
+def _tanh_op(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    _arity("top.Tanh", inputs, 1)
+    return [np.tanh(_f32(inputs[0]))]
+
+
 def _gelu_op(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     _arity("top.GELU", inputs, 1)
     return [gelu(inputs[0], str(attrs.get("approximate", "none")))]
@@ -544,6 +571,7 @@ REFERENCE_OPS: dict[str, Kernel] = {
     "top.FAttention": _fattention,
     "top.MLP": _mlp,
     "top.SiLU": _silu_op,
+    "top.Tanh": _tanh_op,
     "top.GELU": _gelu_op,
     "top.Softmax": _softmax_op,
     "top.TopK": _topk,

@@ -4,7 +4,11 @@ Semantics (the interpreter's kernels in `reference_ops.py` are their definition)
 weights are in Hugging Face Linear layout `[out, in]` and used with `right_transpose = true`;
 `top.FAttention` takes q `[B, Lq, Hq, D]`, k/v `[B, Lk, Hkv, D]`, an optional additive mask broadcast to
 `[B, Hq, Lq, Lk]`, is causal bottom-right aligned (the first `Lk - Lq` keys are history) and returns
-`[B, Lq, Hq * D]`; `top.Rope` takes x `[B, L, H, D]` and cos/sin `[B, L, R]` (R ≤ D).
+`[B, Lq, Hq * D]`. Its scores are `q·k × scale`, then `softcap · tanh(score / softcap)` when `softcap` > 0
+(Gemma 2; absent or 0: none), then the mask. `window` > 0 is a sliding window: among the last `Lq` keys (the
+queries' own tokens) query i sees key j only if `i - j < window`; history keys (the first `Lk - Lq`) are
+windowed by the mask, which the runtime builds from positions, because only it knows how much of a static
+history buffer is filled. `top.Rope` takes x `[B, L, H, D]` and cos/sin `[B, L, R]` (R ≤ D).
 """
 
 from __future__ import annotations
@@ -204,12 +208,14 @@ define("top.Slice", 1, attrs={"offset": A("ints"), "ends": A("ints"), "steps": A
 define("top.Rope", 3, attrs={"mode": A("str", "contiguous_halves", ("contiguous_halves", "interleaved_pairs"))},
        infer=_rope, traits=PLAIN)
 define("top.FAttention", (3, 4),
-       attrs={"q_head": A("int"), "kv_head": A("int"), "scale": A("float"), "causal": A("bool", True)},
+       attrs={"q_head": A("int"), "kv_head": A("int"), "scale": A("float"), "causal": A("bool", True),
+              "softcap": A("float", None), "window": A("int", None)},  # absent: off,
        infer=_fattention, traits=Traits(mixes_heads_of=2))
 define("top.MLP", 4, attrs={"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))}, infer=_mlp,
        traits=Traits(weights=(1, 2, 3), linears=(Linear(1, 0, "gate"), Linear(2, 0, "up"),
                                                  Linear(3, None, "down", scales_input=2))))
 define("top.SiLU", 1, infer=_same, traits=ELEMENTWISE)
+define("top.Tanh", 1, infer=_same, traits=ELEMENTWISE)
 define("top.GELU", 1, attrs={"approximate": A("str", "none", ("none", "tanh"))}, infer=_same, traits=ELEMENTWISE)
 define("top.Softmax", 1, attrs={"axis": A("int", -1)}, infer=_same, traits=PLAIN)
 define("top.TopK", 1, results=2, attrs={"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)},

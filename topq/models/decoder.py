@@ -4,15 +4,19 @@ Hugging Face names of a decoder layer's weights. Families use it; the core knows
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 
 from topq.core.errors import TopqError
 from topq.core.spec import ModelSpec
+from topq.models.fields import refuse_unimplemented
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+    from topq.core.stages import BlockContext
+    from topq.ir.graph import Value
 
 C = TypeVar("C", bound="DataclassInstance")
 
@@ -88,7 +92,9 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     hidden_act: str = hf_field("hidden_act", "hidden_activation", default="silu")
     attention_bias: bool = False
-    partial_rotary_factor: float | None = None
+    mlp_bias: bool = False
+    partial_rotary_factor: float | None = hf_field("partial_rotary_factor", "rope_parameters.partial_rotary_factor",
+                                                   default=None)
     bos_token_id: Any = None  # kept as the config spells it
     eos_token_id: Any = None  # an id or a list of ids
 
@@ -109,11 +115,13 @@ class DecoderConfig:
             "vocab_size": self.vocab_size,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": _rope_scaling(config),
+            "rope_scaling": rope_scaling_of(config),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": self.hidden_act,
             "attention_bias": self.attention_bias,
+            "o_proj_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
             "bos_token_id": self.bos_token_id,
             "eos_token_ids": _eos_ids(self.eos_token_id),
         }
@@ -123,13 +131,39 @@ class DecoderConfig:
         return ModelSpec(**spec)
 
 
-def normalize_llama_like(config: Mapping[str, Any], family: str, **overrides: Any) -> ModelSpec:
-    """The `ModelSpec` of a Llama-style decoder config (`DecoderConfig`); `overrides` set spec fields the config
-    does not say (Qwen2's q/k/v biases)."""
+#: The numerics fields `DecoderConfig` implements (topq.models.fields); families add their own.
+DECODER_FIELDS = frozenset({"attention_bias", "mlp_bias", "partial_rotary_factor"})
+
+
+def normalize_llama_like(config: Mapping[str, Any], family: str, honored: Iterable[str] = DECODER_FIELDS,
+                         **overrides: Any) -> ModelSpec:
+    """The `ModelSpec` of a Llama-style decoder config (`DecoderConfig`), after refusing numerics fields outside
+    `honored`; `overrides` set spec fields the config does not say (Qwen2's q/k/v biases)."""
+    refuse_unimplemented(config, architecture_of(config, family), honored)
     return read_config(DecoderConfig, config, family).spec(config, family, **overrides)
 
 
-def _rope_scaling(config: Mapping[str, Any]) -> dict[str, Any] | None:
+def architecture_of(config: Mapping[str, Any], family: str) -> str:
+    return str((config.get("architectures") or [config.get("model_type", family)])[0])
+
+
+def layer_windows(config: Mapping[str, Any], sliding: Callable[[int], bool]) -> tuple[int, ...]:
+    """Per-layer sliding windows (0 = full) from `sliding_window` and `layer_types` or, in configs written
+    without `layer_types`, the architecture's own pattern `sliding(layer)`; () when no layer slides."""
+    window = config.get("sliding_window")
+    layers = int(config.get("num_hidden_layers") or 0)
+    types = config.get("layer_types") or ["sliding_attention" if sliding(i) else "full_attention"
+                                          for i in range(layers)]
+    unknown = sorted({str(t) for t in types} - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise TopqError(f"{architecture_of(config, '?')}: config field layer_types has {', '.join(unknown)}; "
+                        "only sliding_attention and full_attention are supported")
+    if not window or "sliding_attention" not in types:
+        return ()
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+
+
+def rope_scaling_of(config: Mapping[str, Any]) -> dict[str, Any] | None:
     # transformers 5 folds rope_theta into rope_parameters; older configs use rope_scaling.
     scaling = config.get("rope_scaling") or config.get("rope_parameters")
     if not scaling:
@@ -166,3 +200,10 @@ DECODER_LAYER_WEIGHTS: dict[str, str] = {
 #: Linears that share an input in such a layer (AWQ scales each group together).
 DECODER_QUANT_GROUPS: tuple[tuple[str, ...], ...] = (
     ("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+
+
+def pre_norm_block(ctx: BlockContext) -> Value:
+    """The Llama block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    b, x = ctx.b, ctx.hidden
+    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
+    return b.top.Add(x, ctx.mlp(ctx.rms_norm(x, "post_attention_layernorm")))

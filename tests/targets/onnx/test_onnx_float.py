@@ -29,7 +29,7 @@ from topq.ir.parser import parse_module
 
 ATOL = 1e-4
 VOCAB = 256
-KINDS = ["llama", "qwen2", "qwen3", "llama_tied"]
+KINDS = ["llama", "qwen2", "qwen3", "llama_tied", "gemma2"]  # gemma2: softcap, window, Tanh
 DECODE_RE = re.compile(r"block_cache_\d+(_\d+)?")
 
 TinyFactory = Callable[..., TinyHost]

@@ -11,11 +11,13 @@ from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models.sliding import QWEN_WINDOW_FIELDS, qwen_windows
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
     # Qwen2 configs do not say it, but q/k/v always have biases.
-    return normalize_llama_like(config, "qwen2", attention_bias=True)
+    return normalize_llama_like(config, "qwen2", QWEN_WINDOW_FIELDS, attention_bias=True, o_proj_bias=False,
+                                layer_windows=qwen_windows(config))
 
 
 def build_block(ctx: BlockContext) -> Value:
@@ -32,6 +34,7 @@ FAMILY = ModelFamily(
     layer_weights=DECODER_LAYER_WEIGHTS,
     build_block=build_block,
     quant_groups=DECODER_QUANT_GROUPS,
+    config_fields=QWEN_WINDOW_FIELDS,
     description="Qwen2, Qwen2.5 (q/k/v bias)",
 )
 

@@ -11,6 +11,7 @@ from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models.sliding import QWEN_WINDOW_FIELDS, qwen_windows
 
 LAYER_WEIGHTS = {
     **DECODER_LAYER_WEIGHTS,
@@ -20,7 +21,8 @@ LAYER_WEIGHTS = {
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
-    return normalize_llama_like(config, "qwen3", qk_norm=True)
+    return normalize_llama_like(config, "qwen3", QWEN_WINDOW_FIELDS, qk_norm=True,
+                                layer_windows=qwen_windows(config))
 
 
 def build_block(ctx: BlockContext) -> Value:
@@ -37,6 +39,7 @@ FAMILY = ModelFamily(
     layer_weights=LAYER_WEIGHTS,
     build_block=build_block,
     quant_groups=DECODER_QUANT_GROUPS,
+    config_fields=QWEN_WINDOW_FIELDS,
     description="Qwen3 dense (q/k norm)",
 )
 

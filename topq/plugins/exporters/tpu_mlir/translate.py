@@ -86,6 +86,10 @@ def refuse_unmapped(function: Function) -> None:
         if op.name not in SUPPORTED_OPS:
             raise TopqError(f"function {function.name}: op {op.name} has no TPU-MLIR mapping; "
                             f"export supports {', '.join(sorted(SUPPORTED_OPS))}")
+        for attr in ("softcap", "window"):  # options top.FAttention has and TPU-MLIR's attention has not
+            if op.name == "top.FAttention" and op.attrs.get(attr):
+                raise TopqError(f"function {function.name}: top.FAttention {attr}={op.attrs[attr]} has no TPU-MLIR "
+                                "mapping")
 
 
 def _f32(shape: Sequence[int]) -> str:

@@ -193,6 +193,7 @@ _tpu("Add", 2, _typed(top._elementwise))
 _tpu("Mul", 2, _typed(top._elementwise))
 _tpu("MulConst", 1, _typed(top._same), {"const_val": A("float")})
 _tpu("SiLU", 1, _typed(top._same), doc="evaluated in f32")
+_tpu("Tanh", 1, _typed(top._same), doc="evaluated in f32")
 _tpu("GELU", 1, _typed(top._same), {"approximate": A("str", "none", ("none", "tanh"))})
 _tpu("Softmax", 1, _typed(top._same), {"axis": A("int", -1)}, doc="f32 exp and sum")
 _tpu("Cast", 1, _cast)
@@ -203,7 +204,8 @@ _tpu("Concat", (1, None), top._concat, {"axis": A("int")}, dtype=False)
 _tpu("Rope", 3, _typed(top._rope), {"mode": A("str", "contiguous_halves", ("contiguous_halves", "interleaved_pairs"))})
 _tpu("FAttention", (3, 6), _fattention,
      {"q_head": A("int"), "kv_head": A("int"), "scale": A("float"), "causal": A("bool", True),
-      "has_mask": A("bool", False), "history": A("int", 0)},
+      "has_mask": A("bool", False), "history": A("int", 0), "softcap": A("float", None),
+      "window": A("int", None)},
      doc="f32 scores and softmax; probabilities rounded to dtype before the PV matmul")
 _tpu("TopK", 1, _typed(top._topk), {"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)}, results=2)
 _tpu("KVStore", 2, _kvstore, {"layer": A("int"), "kind": A("str", choices=("k", "v")), "rows": A("int")}, results=0)

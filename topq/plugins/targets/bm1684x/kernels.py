@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.ir.reference_ops import FULLY_MASKED_SCORE, REFERENCE_OPS, gelu, silu
+from topq.ir.reference_ops import FULLY_MASKED_SCORE, REFERENCE_OPS, gelu, hide_outside_window, silu, soft_cap
 from topq.plugins.targets.bm1684x.modes import NP_DTYPES
 
 F32 = np.float32
@@ -148,6 +148,8 @@ def fattention(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray
     s *= F32(attrs["scale"])
     total = s.shape[-1]
     s = s.reshape(b, hq, lq, total)
+    if attrs.get("softcap"):
+        soft_cap(s, F32(attrs["softcap"]))
     if mask is not None:
         if history and mask.shape[-1] == history + lk:  # drop the hidden history columns with their rows
             mask = np.concatenate([mask[..., :visible], mask[..., history:]], axis=-1)
@@ -157,6 +159,8 @@ def fattention(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray
         j = np.arange(lk)[None, :]
         # bottom-right aligned over the new keys; every history row precedes all queries
         np.copyto(s[..., total - lk:], F32(-np.inf), where=j > i + (lk - lq))
+    if attrs.get("window"):
+        hide_outside_window(s, int(attrs["window"]))
     top = s.max(axis=-1, keepdims=True)
     dead = top <= FULLY_MASKED_SCORE
     top[dead] = 0
@@ -225,6 +229,6 @@ KERNELS: dict[str, Any] = {
     "tpu.Cast": cast,
     "tpu.RMSNorm": rmsnorm,
     "tpu.Rope": rope,
-    **{f"tpu.{n}": _ref(n) for n in ("LayerNorm", "Add", "Mul", "MulConst", "SiLU", "GELU", "Softmax", "Reshape",
-                                     "Permute", "Slice", "Concat", "TopK")},
+    **{f"tpu.{n}": _ref(n) for n in ("LayerNorm", "Add", "Mul", "MulConst", "SiLU", "Tanh", "GELU", "Softmax",
+                                     "Reshape", "Permute", "Slice", "Concat", "TopK")},
 }

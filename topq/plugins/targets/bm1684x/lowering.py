@@ -46,7 +46,7 @@ Pattern = Callable[[Operation, Rewriter], bool]
 #: ops kept even when their results are unused
 SIDE_EFFECTS = frozenset({"tpu.KVStore"})
 #: Top ops whose tpu op has the same operands and attributes (plus `dtype` unless listed in NO_DTYPE)
-SAME_SHAPE = ("Gather", "RMSNorm", "LayerNorm", "Add", "Mul", "MulConst", "SiLU", "GELU", "Softmax", "Rope",
+SAME_SHAPE = ("Gather", "RMSNorm", "LayerNorm", "Add", "Mul", "MulConst", "SiLU", "Tanh", "GELU", "Softmax", "Rope",
               "Reshape", "Permute", "Slice", "Concat", "TopK")
 NO_DTYPE = frozenset({"Reshape", "Permute", "Slice", "Concat"})
 SUFFIX = {"weight": ".packed", "scale": ".scale", "zp": ".zp"}
@@ -303,7 +303,8 @@ class Lowering:
 
     def _fattention(self, op: Operation, rw: Rewriter) -> bool:
         q, k, v, *mask = op.operands
-        attrs: dict[str, Any] = {key: op.attrs[key] for key in ("q_head", "kv_head", "scale") if key in op.attrs}
+        attrs: dict[str, Any] = {key: op.attrs[key] for key in ("q_head", "kv_head", "scale", "softcap", "window")
+                                 if key in op.attrs}
         attrs.update(causal=op.attrs.get("causal", True), has_mask=bool(mask), dtype=self.dtype)
         hk, hv = history_of(k), history_of(v)
         operands = [q, k, v, *mask]

@@ -144,6 +144,7 @@ VECTOR_OPS: dict[str, int] = {
     "Mul": 1,
     "MulConst": 1,
     "SiLU": 4,  # exp, add, reciprocal, multiply
+    "Tanh": 4,  # exp, add, reciprocal, multiply (as SiLU)
     "GELU": 8,
     "Softmax": 5,
     "Rope": 3,  # two multiplies and an add (rotate-half is addressing)
@@ -151,6 +152,7 @@ VECTOR_OPS: dict[str, int] = {
     "TopK": 2,
 }
 SCORE_OPS = 7  # attention, per score element in f32: scale, mask add, max, subtract, exp, sum, divide
+SOFTCAP_OPS = 6  # per score element: divide, tanh (4), multiply
 MLP_ACT_OPS = {"silu": 4, "gelu": 8, "gelu_tanh": 8}  # + 1 for the gate × up multiply
 VIEW_OPS = frozenset({"Input", "Weight", "Reshape", "Concat", "Slice"})  # no data movement of their own
 ANCHOR_OPS = frozenset({"MatMul", "MLP", "FAttention"})  # each starts its own layer group
@@ -333,7 +335,8 @@ class _Estimator:
         scores = hq * keys
         flops = 4.0 * scores * d  # QKᵀ and PV
         cube = self.cube_s(flops, "bf16" if self.mode.compute == "int8" else self.mode.compute, self.cal.attn_eff)
-        vector = self.vector_s(scores * SCORE_OPS, 4)
+        # a sliding window changes no work here: the kernel computes the causal scores and masks the rest
+        vector = self.vector_s(scores * (SCORE_OPS + (SOFTCAP_OPS if op.attrs.get("softcap") else 0)), 4)
         # K/V are re-read once per pass over the queries that fit half of local memory, and (without GQA
         # batching) once per query head of a KV head
         q_bytes = self.numel(q) * self.mode.act_bytes / self.cores

@@ -342,6 +342,9 @@ def _fattention(lw: FunctionLowering, op: Operation) -> list[str]:
     v = g.one("Transpose", [lw.operand(op, 2)], perm=[0, 2, 1, 3])  # [B, Hkv, Lk, D]
     scores = g.one("Mul", [g.one("MatMul", [q, kt]), g.scalar(float(op.attrs["scale"]))])
     scores = g.one("Reshape", [scores, g.ints([b, hq, lq, lk])])
+    if op.attrs.get("softcap"):
+        cap = g.scalar(float(op.attrs["softcap"]))
+        scores = g.one("Mul", [g.one("Tanh", [g.one("Div", [scores, cap])]), cap])
     if len(op.operands) > 3:
         scores = g.one("Add", [scores, lw.operand(op, 3)])
     if op.attrs.get("causal", True) and lq > 1:
@@ -349,6 +352,8 @@ def _fattention(lw: FunctionLowering, op: Operation) -> list[str]:
         i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
         causal = np.where(j > i + (lk - lq), np.float32(-np.inf), np.float32(0)).astype(np.float32)
         scores = g.one("Add", [scores, _causal_mask(g, causal)])
+        if op.attrs.get("window"):
+            scores = g.one("Add", [scores, _window_mask(g, lq, lk, int(op.attrs["window"]))])
     probs = g.one("Softmax", [scores], axis=-1)
     probs = g.one("Reshape", [probs, g.ints([b, hkv, group * lq, lk])])
     out = g.one("MatMul", [probs, v])  # [B, Hkv, g*Lq, D]
@@ -365,6 +370,22 @@ def _causal_mask(g: GraphBuilder, mask: np.ndarray) -> str:
         full = g.one("ConstantOfShape", [g.ints([lq, lk])],
                      value=numpy_helper.from_array(np.asarray([-np.inf], np.float32)))
         g._cache[key] = g.one("Trilu", [full, g.constant(np.asarray(lk - lq + 1, np.int64), "k")], upper=1)
+    return g._cache[key]
+
+
+def _window_mask(g: GraphBuilder, lq: int, lk: int, window: int) -> str:
+    """-inf where new key j is `window` or more positions behind query i (i - j ≥ window), 0 elsewhere and on
+    the history columns (the runtime's mask windows those): [Lq, Lk], built in the graph like the causal mask."""
+    key = ("window", lq, lk, window)
+    if key not in g._cache:
+        full = g.one("ConstantOfShape", [g.ints([lq, lq])],
+                     value=numpy_helper.from_array(np.asarray([-np.inf], np.float32)))
+        band = g.one("Trilu", [full, g.constant(np.asarray(-window, np.int64), "k")], upper=0)
+        if lk > lq:
+            history = g.one("ConstantOfShape", [g.ints([lq, lk - lq])],
+                            value=numpy_helper.from_array(np.asarray([0.0], np.float32)))
+            band = g.one("Concat", [history, band], axis=1)
+        g._cache[key] = band
     return g._cache[key]
 
 
@@ -386,6 +407,10 @@ def _mlp(lw: FunctionLowering, op: Operation) -> list[str]:
 
 def _silu(lw: FunctionLowering, op: Operation) -> list[str]:
     return [_activation(lw.graph, lw.operand(op, 0), "silu")]
+
+
+def _tanh(lw: FunctionLowering, op: Operation) -> list[str]:
+    return [lw.graph.one("Tanh", [lw.operand(op, 0)])]
 
 
 def _gelu(lw: FunctionLowering, op: Operation) -> list[str]:
@@ -423,6 +448,7 @@ RULES: dict[str, Rule] = {
     "top.FAttention": _fattention,
     "top.MLP": _mlp,
     "top.SiLU": _silu,
+    "top.Tanh": _tanh,
     "top.GELU": _gelu,
     "top.Softmax": _softmax,
     "top.TopK": _topk,

@@ -62,3 +62,18 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     import numpy as np
 
     return np.random.default_rng(seed).integers(3, VOCAB, size=n).tolist()
+
+
+def build_unrouted_moe(directory: Path, seed: int = 0) -> Any:
+    """A tiny Qwen3-MoE whose last expert no token is ever routed to: 5 experts, top 2, router rows a, a, -a, -a,
+    0. Every token's scores are t, t, -t, -t, 0 with t = a·x, so the top two are experts 0, 1 (t > 0) or 2, 3
+    (t < 0), never expert 4 (at t = 0 the tie goes to the lower indices)."""
+    overrides = {"num_experts": 5}
+    model = build_tiny("qwen3_moe", directory, seed, overrides=overrides)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            rows = layer.mlp.gate.weight
+            a = rows[0].clone()
+            rows.copy_(torch.stack([a, a, -a, -a, torch.zeros_like(a)]))
+    model.save_pretrained(directory, safe_serialization=True)
+    return model

@@ -44,7 +44,7 @@ from topq.core.stages import rope_weights
 from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.graph import Function, Operation, Value
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.reference_ops import mlp_hidden
+from topq.ir.reference_ops import mlp_hidden, moe_expert_tokens, moe_routing
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
@@ -52,7 +52,7 @@ from topq.quant.grid import (
     quantize_groups,
     resolve_group_size,
 )
-from topq.quant.options import ACT_DTYPE, WEIGHT_OPTIONS, act_dtype
+from topq.quant.options import ACT_DTYPE, EXPERT_MIN_TOKENS, EXPERT_MIN_TOKENS_OPTION, WEIGHT_OPTIONS, act_dtype
 from topq.quant.program import ProgramSource, calibration_program, program_source
 from topq.quant.sites import INPUT, FoldTarget, group_sites
 
@@ -369,22 +369,39 @@ class _GroupPlan:
     keys: tuple[str, ...]
     names: tuple[str, ...]
     op: Operation  # the op whose input is captured
-    kind: str  # "input": operand `operand`; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside a top.MLP
+    kind: str  # "input": operand `operand`; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside the op (from `hidden_from`)
     k: int
     fold: FoldTarget | None = None
     operand: int = 0
+    expert: int | None = None  # only the tokens `op` routes to this expert reach the group (top.MoE)
+    hidden_from: tuple[int, int, int] = (0, 1, 2)
 
 
 def _find_groups(function: Function, family: Any, spec: Any, layer: int) -> list[_GroupPlan]:
-    """The quant groups of one block function, in execution order, with what to capture and where to fold."""
+    """The quant groups of one block function, in execution order, with what to capture and where to fold.
+
+    The family's groups (a group none of whose linears the layer has is skipped: a sparse layer has no dense
+    MLP), then its other layer linears one by one, then the linears of fused ops that are no family weight (a
+    top.MoE's experts): one group per op, expert and input, keyed by the linears' roles."""
     key_of = {template.format(i=layer): key for key, template in family.layer_weights.items()}
-    linears = list(dict.fromkeys(use.weight for use in linear_uses(function)))  # in order of first use
+    uses = linear_uses(function)
+    linears = list(dict.fromkeys(use.weight for use in uses))  # in order of first use
     groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in linears if n in key_of]
+    present = set(linears)
+    groups = [g for g in groups if any(family.layer_weights[k].format(i=layer) in present for k in g)]
     covered = {k for g in groups for k in g}
     groups += [(key_of[n],) for n in linears if n in key_of and key_of[n] not in covered]
     names = [tuple(family.layer_weights[key].format(i=layer) for key in keys) for keys in groups]
+    fused: dict[tuple[int, int | None, bool], list[Any]] = {}
+    for use in uses:
+        if use.weight not in key_of:
+            fused.setdefault((id(use.op), use.linear.expert, use.input is None), []).append(use)
+    for members in fused.values():
+        groups.append(tuple(u.role for u in members))
+        names.append(tuple(u.weight for u in members))
     sites = group_sites(function, names, lambda g: "/".join(groups[g]))
-    return [_GroupPlan(groups[site.group], site.names, site.op, site.kind, site.k, site.fold, site.operand)
+    return [_GroupPlan(groups[site.group], site.names, site.op, site.kind, site.k, site.fold, site.operand,
+                       site.expert, site.hidden_from)
             for site in sites if site.group is not None]
 
 
@@ -431,16 +448,33 @@ class _CaptureInterpreter(Interpreter):
             return
         assert self.stats is not None
         op, at_group = plan.op, step.op is plan.op
-        if plan.kind == INPUT:
+        if plan.expert is not None:  # at the op (see _capture_point): only the tokens routed to the expert
+            x = _routed_tokens(op, inputs, plan.expert)
+            if plan.kind == INPUT:
+                self.stats.add(x)
+            else:
+                self.stats.add(mlp_hidden(x, inputs[plan.hidden_from[1]], inputs[plan.hidden_from[2]],
+                                          str(op.attrs.get("act", "silu")))[2])
+        elif plan.kind == INPUT:
             self.stats.add(inputs[plan.operand] if at_group else outputs[op.operands[plan.operand].index])
         else:
+            x_at, gate_at, up_at = plan.hidden_from
             if at_group:
-                x, w_gate, w_up = inputs[0], inputs[1], inputs[2]
+                x, w_gate, w_up = inputs[x_at], inputs[gate_at], inputs[up_at]
             else:  # the weights are the plan's constants: the arrays the MLP would read
-                x = outputs[op.operands[0].index]
-                w_gate, w_up = (self.load_weight(_owner(op.operands[i])) for i in (1, 2))
+                x = outputs[op.operands[x_at].index]
+                w_gate, w_up = (self.load_weight(_owner(op.operands[i])) for i in (gate_at, up_at))
             self.stats.add(mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2])
         raise _StopLayer
+
+
+def _routed_tokens(op: Operation, inputs: list[np.ndarray], expert: int) -> np.ndarray:
+    """The rows of a top.MoE's input x [tokens, H] that its router sends to `expert`."""
+    x = np.asarray(inputs[0], dtype=np.float32)
+    x = x.reshape(-1, x.shape[-1])
+    chosen, weights = moe_routing(x, inputs[1], int(op.attrs["top_k"]), str(op.attrs.get("scoring", "softmax")),
+                                  bool(op.attrs.get("norm_topk_prob", False)))
+    return x[moe_expert_tokens(chosen, weights, expert)[0]]
 
 
 def _owner(value: Value) -> Operation:
@@ -451,12 +485,13 @@ def _owner(value: Value) -> Operation:
 
 def _capture_point(plan: _GroupPlan) -> Operation:
     """The op after which the group's input is known: the producer of the linears' input, so that the linears (for
-    top.MLP the whole fused MLP) need not run first; the group's own op when the input is a function argument."""
-    x = plan.op.operands[plan.operand if plan.kind == INPUT else 0]
+    top.MLP the whole fused MLP) need not run first; the group's own op when the input is a function argument, or
+    when the group sees only routed tokens (the routing needs the op's router weight)."""
+    x = plan.op.operands[plan.operand if plan.kind == INPUT else plan.hidden_from[0]]
     source = producer(x)
-    if source is None or weight_name(x) is not None:
+    if source is None or weight_name(x) is not None or plan.expert is not None:
         return plan.op
-    if plan.kind != INPUT and any(weight_name(plan.op.operands[i]) is None for i in (1, 2)):
+    if plan.kind != INPUT and any(weight_name(plan.op.operands[i]) is None for i in plan.hidden_from[1:]):
         return plan.op  # the hidden activation needs gate / up weights that are constants of the plan
     return source
 
@@ -566,8 +601,11 @@ def _weights_read(function: Function) -> list[str]:
 
 def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver, options: Mapping[str, Any],
                     progress: bool = True, desc: str = "calibrate",
-                    executor: TaskExecutor | None = None) -> CalibrationResult:
+                    executor: TaskExecutor | None = None, expert_fallback: bool = True) -> CalibrationResult:
     """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc).
+
+    A routed expert's group (top.MoE) is solved on the tokens routed to it; with `expert_fallback` one that
+    received fewer than `expert_min_tokens` is rounded to nearest instead (`_solve_expert`).
 
     The per-sample work — running the layer up to a group's input, and the quantized layer's forward — runs as
     tasks on `executor` (default: this process). Tasks return the captured inputs / outputs and this process adds
@@ -601,7 +639,11 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                 stats = InputStats(plan.k)
                 for x in _map_samples(executor, step(g), hidden, chunk):
                     stats.add(x)
-                solve(GroupInputs(layer, plan.keys, plan.names, stats, plan.fold), state, options)
+                group = GroupInputs(layer, plan.keys, plan.names, stats, plan.fold)
+                if plan.expert is None:
+                    solve(group, state, options)
+                else:
+                    _solve_expert(group, plan.expert, state, options, solve, expert_fallback)
                 bar.update()
             # the quantized layer's output is the next layer's input
             for s, out in enumerate(_map_samples(executor, step(None), hidden, chunk)):
@@ -612,6 +654,35 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
         bar.close()
         _STEP.clear()
     return state.result
+
+
+def _solve_expert(group: GroupInputs, expert: int, state: LayerState, options: Mapping[str, Any],
+                  solve: GroupSolver, fallback: bool) -> None:
+    """A routed expert's group: solved on the tokens routed to it, or — `fallback` and fewer than
+    `expert_min_tokens` of them (too few to estimate its input statistics) — rounded to nearest; either way each
+    linear's report row says how many tokens the expert received (its coverage), and a fallback says so in
+    `mode` and `fallback`. Without `fallback` (the RTN error report) an expert no token reached has no error."""
+    tokens = group.stats.count
+    minimum = int(options.get("expert_min_tokens") or EXPERT_MIN_TOKENS) if fallback else 1
+    first = len(state.result.report)
+    if tokens >= minimum:
+        solve(group, state, options)
+        for row in state.result.report[first:]:
+            row.update(expert=expert, tokens=tokens)
+        return
+    if not fallback:
+        state.result.report += [{"name": name, "error": None, "expert": expert, "tokens": 0} for name in group.names]
+        return
+    bits, symmetric = int(options.get("bits") or 4), bool(options.get("symmetric", False))
+    for name in group.names:
+        w = state.float_weight(name)
+        qw = quantize_groups(w, check_bits(bits), resolve_group_size(options.get("group_size"), w.shape[1]),
+                             symmetric)
+        state.set_quantized(name, qw)
+        error = relative_output_error(w, state.current_weight(name), group.stats.hessian()) if tokens else None
+        state.result.report.append({"name": name, "mode": "rtn", "error": error, "expert": expert,
+                                    "tokens": tokens, "fallback": f"rtn: {tokens} calibration tokens routed to "
+                                                                  f"expert {expert}, fewer than {minimum}"})
 
 
 def relative_output_error(w: np.ndarray, w_hat: np.ndarray, h: np.ndarray) -> float:
@@ -642,7 +713,8 @@ def quantization_report(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
             state.result.report.append({"name": name, "error": error})
 
     windows = calibration_windows(model, recipe)
-    return run_calibration(model, windows, report, options, desc=f"{scheme.name} error", executor=executor)
+    return run_calibration(model, windows, report, options, desc=f"{scheme.name} error", executor=executor,
+                           expert_fallback=False)
 
 
 # ================================================================================ schemes
@@ -655,7 +727,7 @@ def weight_options(quant: Mapping[str, Any], scheme: str) -> dict[str, Any]:
     if bits not in (4, 8):
         raise TopqError(f"quant.bits must be 4 or 8 for scheme {scheme}, got {bits}")
     return {"bits": bits, "group_size": int(quant["group_size"]), "symmetric": bool(quant["symmetric"]),
-            "act_dtype": act_dtype(quant)}
+            "act_dtype": act_dtype(quant), "expert_min_tokens": int(quant.get("expert_min_tokens") or EXPERT_MIN_TOKENS)}
 
 
 def calibration_scheme(name: str, description: str, solve: GroupSolver, own_options: tuple[Option, ...] = (),
@@ -689,5 +761,6 @@ def calibration_scheme(name: str, description: str, solve: GroupSolver, own_opti
                                bool(options.get("symmetric", False)))
 
     return QuantScheme(name, description, compute_dtype="bf16", weight_bits=4,
-                       options=(*WEIGHT_OPTIONS, ACT_DTYPE, *own_options), needs_calibration=True,
+                       options=(*WEIGHT_OPTIONS, ACT_DTYPE, EXPERT_MIN_TOKENS_OPTION, *own_options),
+                       needs_calibration=True,
                        quantize=quantize, calibrate=calibrate, product=product)

@@ -34,7 +34,7 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "norm_topk_prob": True}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
+        "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
         "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": None}),
 }

@@ -14,15 +14,15 @@ from topq.ir.graph import Module
 from topq.ir.reference_ops import REFERENCE_OPS
 from topq.ir.types import tensor
 
-H, I, E = 8, 6, 4
+H, INTER, E = 8, 6, 4
 
 
 def weights(experts: int, shared: bool, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     out = [rng.normal(size=(experts, H)).astype(np.float32)]
     for _ in range(experts + shared):
-        out += [rng.normal(size=(I, H)).astype(np.float32), rng.normal(size=(I, H)).astype(np.float32),
-                rng.normal(size=(H, I)).astype(np.float32) / 4]
+        out += [rng.normal(size=(INTER, H)).astype(np.float32), rng.normal(size=(INTER, H)).astype(np.float32),
+                rng.normal(size=(H, INTER)).astype(np.float32) / 4]
     if shared:
         out.append(rng.normal(size=(1, H)).astype(np.float32))
     return out
@@ -37,7 +37,7 @@ def expected(x: np.ndarray, ws: list[np.ndarray], top_k: int, scoring: str, norm
         return (gate * sigmoid(gate) * (t @ u.T)) @ d.T
 
     w = [a.astype(np.float64) for a in ws]
-    router, experts = w[0], (len(w) - 1) // 3
+    router = w[0]
     out = np.zeros((len(x), H))
     for n, t in enumerate(x.astype(np.float64)):
         logits = router @ t

@@ -194,10 +194,10 @@ def _moe_linears(operand_count: int) -> tuple[Linear, ...]:
 def _moe(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     x, router, *weights = _tensors(types)
     experts, shared = _moe_experts(len(types))
-    h = x.shape[-1]
-    if len(types) != moe_operands(attrs["num_experts"], shared):
-        raise InferError(f"MoE with num_experts={attrs['num_experts']} takes {moe_operands(attrs['num_experts'], False)}"
-                         f" or {moe_operands(attrs['num_experts'], True)} operands, got {len(types)}")
+    h, declared = x.shape[-1], attrs["num_experts"]
+    if len(types) != moe_operands(declared, shared):
+        raise InferError(f"MoE with num_experts={declared} takes {moe_operands(declared, False)} or "
+                         f"{moe_operands(declared, True)} operands, got {len(types)}")
     if router.shape != (experts, h):
         raise InferError(f"MoE router {list(router.shape)} does not fit {experts} experts of hidden {h}")
     if not 0 < attrs["top_k"] <= experts:

@@ -727,7 +727,8 @@ def weight_options(quant: Mapping[str, Any], scheme: str) -> dict[str, Any]:
     if bits not in (4, 8):
         raise TopqError(f"quant.bits must be 4 or 8 for scheme {scheme}, got {bits}")
     return {"bits": bits, "group_size": int(quant["group_size"]), "symmetric": bool(quant["symmetric"]),
-            "act_dtype": act_dtype(quant), "expert_min_tokens": int(quant.get("expert_min_tokens") or EXPERT_MIN_TOKENS)}
+            "act_dtype": act_dtype(quant),
+            "expert_min_tokens": int(quant.get("expert_min_tokens") or EXPERT_MIN_TOKENS)}
 
 
 def calibration_scheme(name: str, description: str, solve: GroupSolver, own_options: tuple[Option, ...] = (),

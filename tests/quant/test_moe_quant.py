@@ -52,12 +52,13 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-# End to end on random token ids: GPTQ beats RTN; AWQ (which, the routed experts' input feeding the router too,
+# End to end on random token ids: GPTQ and AutoRound beat RTN; AWQ (which, the routed experts' input feeding the router too,
 # can only clip them, not scale) is on par — its per-linear errors are checked against RTN's above.
-@pytest.mark.parametrize("scheme, margin", [("gptq", 1.0), ("awq", 1.1)])
+@pytest.mark.parametrize("scheme, quant, margin", [("gptq", {}, 1.0), ("awq", {}, 1.1),
+                                                    ("autoround", {"iters": 20}, 1.0)])
 def test_calibrated_schemes_report_expert_coverage_and_fall_back(moe: dict[str, Any], scheme: str,
-                                                                  margin: float) -> None:
-    logits, report = convert_and_run(moe, scheme)
+                                                                  quant: dict[str, Any], margin: float) -> None:
+    logits, report = convert_and_run(moe, scheme, **quant)
     rows = {row["name"]: row for row in report}
     for layer in range(LAYERS):
         tokens = [rows[expert_name(layer, e, "gate_proj")]["tokens"] for e in range(EXPERTS)]

@@ -4,6 +4,7 @@ with too few tokens (here one no token is ever routed to)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from tiny_models import build_unrouted_moe, prompt
 
 from topq.core.bundle import Bundle
+from topq.core.inspect import describe, format_description
 from topq.core.errors import TopqError
 from topq.core.pipeline import convert
 from topq.core.recipe import recipe_from_defaults
@@ -41,6 +43,7 @@ def convert_and_run(state: dict[str, Any], scheme: str, **quant: Any) -> tuple[n
         output={"path": str(out)})
     convert(recipe, progress=False)
     bundle = Bundle(out)
+    state["last"] = bundle
     return Session(bundle).feed(state["eval"], all_logits=True), list(bundle.meta.get("quant_report") or [])
 
 
@@ -74,6 +77,8 @@ def test_calibrated_schemes_report_expert_coverage_and_fall_back(moe: dict[str, 
                 else:
                     assert "fallback" not in row and row["error"] > 0
                     assert row["ratio"] <= 1.0 + 1e-9, row  # the solver does no worse than RTN on its tokens
+    text = format_description(describe(moe["last"]))  # `topq inspect`: the fallback's mode, no error to show
+    assert re.search(rf"{re.escape(expert_name(0, EXPERTS - 1, 'down_proj'))} +rtn +- ", text), text
     rtn, _ = convert_and_run(moe, "autoround", iters=0)  # zero steps = min/max round-to-nearest
     assert rel(rtn, moe["float"]) > 0.01
     assert rel(logits, moe["float"]) < margin * rel(rtn, moe["float"])

@@ -419,8 +419,8 @@ class _CaptureInterpreter(Interpreter):
         super().__init__(module, state.current_weight)
         self.state = state
         self._version = state.version
-        self.plan_: _GroupPlan | None = None
-        self.stats: InputStats | None = None
+        self.plans_: list[_GroupPlan] = []
+        self.stats: list[InputStats] = []
         self._at: Operation | None = None  # the op whose tap captures
 
     def load_weight(self, op: Operation) -> np.ndarray:
@@ -430,11 +430,12 @@ class _CaptureInterpreter(Interpreter):
                             f"the program expects {list(op.results[0].type.shape)}")
         return array
 
-    def capture(self, plan: _GroupPlan | None, stats: InputStats | None) -> None:
-        """Feed `plan`'s input to `stats` (through the interpreter's tap) and stop the layer there; None: run it."""
-        self.plan_, self.stats = plan, stats
-        self._at = None if plan is None else _capture_point(plan)
-        self.tap = None if plan is None else self._capture
+    def capture(self, plans: Sequence[_GroupPlan], stats: Sequence[InputStats]) -> None:
+        """Feed each plan's input to its stats (through the interpreter's tap) and stop the layer there; no plans:
+        run it. Plans captured together share their capture point (`_batches`)."""
+        self.plans_, self.stats = list(plans), list(stats)
+        self._at = _capture_point(self.plans_[0]) if self.plans_ else None
+        self.tap = self._capture if self.plans_ else None
 
     def run(self, name: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         if self.state.version != self._version:  # weights changed: rebuild plans (they hold the weight arrays)
@@ -443,20 +444,27 @@ class _CaptureInterpreter(Interpreter):
         return super().run(name, inputs)
 
     def _capture(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
-        plan = self.plan_
-        if plan is None or step.op is not self._at:
+        if not self.plans_ or step.op is not self._at:
             return
-        assert self.stats is not None
+        routing = _routing(step.op, inputs) if any(p.expert is not None for p in self.plans_) else None
+        for plan, stats in zip(self.plans_, self.stats):
+            self._add(plan, stats, step, inputs, outputs, routing)
+        raise _StopLayer
+
+    def _add(self, plan: _GroupPlan, stats: InputStats, step: Step, inputs: list[np.ndarray],
+             outputs: list[np.ndarray], routing: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
         op, at_group = plan.op, step.op is plan.op
         if plan.expert is not None:  # at the op (see _capture_point): only the tokens routed to the expert
-            x = _routed_tokens(op, inputs, plan.expert)
+            assert routing is not None
+            x2, chosen, weights = routing
+            x = x2[moe_expert_tokens(chosen, weights, plan.expert)[0]]
             if plan.kind == INPUT:
-                self.stats.add(x)
+                stats.add(x)
             else:
-                self.stats.add(mlp_hidden(x, inputs[plan.hidden_from[1]], inputs[plan.hidden_from[2]],
-                                          str(op.attrs.get("act", "silu")))[2])
+                stats.add(mlp_hidden(x, inputs[plan.hidden_from[1]], inputs[plan.hidden_from[2]],
+                                     str(op.attrs.get("act", "silu")))[2])
         elif plan.kind == INPUT:
-            self.stats.add(inputs[plan.operand] if at_group else outputs[op.operands[plan.operand].index])
+            stats.add(inputs[plan.operand] if at_group else outputs[op.operands[plan.operand].index])
         else:
             x_at, gate_at, up_at = plan.hidden_from
             if at_group:
@@ -464,17 +472,16 @@ class _CaptureInterpreter(Interpreter):
             else:  # the weights are the plan's constants: the arrays the MLP would read
                 x = outputs[op.operands[x_at].index]
                 w_gate, w_up = (self.load_weight(_owner(op.operands[i])) for i in (gate_at, up_at))
-            self.stats.add(mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2])
-        raise _StopLayer
+            stats.add(mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2])
 
 
-def _routed_tokens(op: Operation, inputs: list[np.ndarray], expert: int) -> np.ndarray:
-    """The rows of a top.MoE's input x [tokens, H] that its router sends to `expert`."""
+def _routing(op: Operation, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A top.MoE's input x as [tokens, H] and its routing (chosen experts, their weights), as the op computes it."""
     x = np.asarray(inputs[0], dtype=np.float32)
     x = x.reshape(-1, x.shape[-1])
     chosen, weights = moe_routing(x, inputs[1], int(op.attrs["top_k"]), str(op.attrs.get("scoring", "softmax")),
                                   bool(op.attrs.get("norm_topk_prob", False)))
-    return x[moe_expert_tokens(chosen, weights, expert)[0]]
+    return x, chosen, weights
 
 
 def _owner(value: Value) -> Operation:
@@ -523,13 +530,13 @@ class _FixedWeights:
 
 @dataclass
 class _LayerStep:
-    """One step of the layer loop, as its tasks see it: capture group `group`'s input (None: the layer output)
-    for some samples, with the layer's weights as they are now."""
+    """One step of the layer loop, as its tasks see it: capture the inputs of some groups (None: the layer
+    output) for some samples, with the layer's weights as they are now."""
 
     token: str  # unique: a worker keeps its interpreter for the step it last ran
     source: ProgramSource
     layer: int
-    group: int | None
+    groups: tuple[int, ...] | None  # captured together (`_batches`); None: the layer output
     weights: dict[str, np.ndarray]  # every weight block_{layer} reads, as the model computes with it now
     hidden: np.ndarray | None = None  # every sample's layer input [samples, L, H] (executors that share memory)
 
@@ -537,30 +544,32 @@ class _LayerStep:
 _STEP: dict[str, Any] = {}  # this process's interpreter for the step it last ran
 
 
-def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, _GroupPlan | None]:
+def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, list[_GroupPlan] | None]:
     if _STEP.get("token") != step.token:
         module, family, spec = calibration_program(step.source)
-        plan = None
-        if step.group is not None:
-            plan = _find_groups(module[f"block_{step.layer}"], family, spec, step.layer)[step.group]
+        plans = None
+        if step.groups is not None:
+            found = _find_groups(module[f"block_{step.layer}"], family, spec, step.layer)
+            plans = [found[g] for g in step.groups]
         _STEP.clear()
         _STEP.update(token=step.token, interp=_CaptureInterpreter(module, _FixedWeights(step.weights)),  # type: ignore[arg-type]
-                     plan=plan)
-    return _STEP["interp"], _STEP["plan"]
+                     plans=plans)
+    return _STEP["interp"], _STEP["plans"]
 
 
-def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None) -> list[np.ndarray]:
-    """A calibration task: for samples start..stop, the input the step's group sees (or the layer's output), one
-    array per sample. `rows` are those samples' layer inputs, unless the step carries them all (`hidden`)."""
+def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None) -> list[Any]:
+    """A calibration task: for samples start..stop, the inputs the step's groups see (a list of one array per
+    group), or the layer's output (an array), per sample. `rows` are those samples' layer inputs, unless the step
+    carries them all (`hidden`)."""
     step: _LayerStep = resolve(step_handle)
-    interp, plan = _step_runner(step)
+    interp, plans = _step_runner(step)
     hidden = rows if rows is not None else step.hidden[start:stop]  # type: ignore[index]
     positions = np.arange(step.source.seq_len, dtype=np.int32)[None]
     name = f"block_{step.layer}"
-    if plan is None:
+    if plans is None:
         return [interp.run(name, [h[None], positions])[0][0] for h in hidden]
-    captured = _Captured()
-    interp.capture(plan, captured)  # type: ignore[arg-type]
+    captured = [_Captured() for _ in plans]
+    interp.capture(plans, captured)  # type: ignore[arg-type]
     try:
         for h in hidden:
             try:
@@ -568,8 +577,8 @@ def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None
             except _StopLayer:
                 pass
     finally:
-        interp.capture(None, None)
-    return captured.items
+        interp.capture([], [])
+    return [[c.items[i] for c in captured] for i in range(len(hidden))]
 
 
 def _chunk_size(executor: TaskExecutor, samples: int) -> int:
@@ -630,21 +639,24 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
         for layer, layer_plans in enumerate(plans):
             reads = _weights_read(module[f"block_{layer}"])
 
-            def step(group: int | None, layer: int = layer, reads: list[str] = reads) -> _LayerStep:
-                return _LayerStep(uuid.uuid4().hex, source, layer, group,
+            def step(groups: tuple[int, ...] | None, layer: int = layer, reads: list[str] = reads) -> _LayerStep:
+                return _LayerStep(uuid.uuid4().hex, source, layer, groups,
                                   {n: state.current_weight(n) for n in reads})
 
-            for g, plan in enumerate(layer_plans):
-                bar.set_postfix_str(f"layer {layer} {'/'.join(plan.keys)}")
-                stats = InputStats(plan.k)
-                for x in _map_samples(executor, step(g), hidden, chunk):
-                    stats.add(x)
-                group = GroupInputs(layer, plan.keys, plan.names, stats, plan.fold)
-                if plan.expert is None:
-                    solve(group, state, options)
-                else:
-                    _solve_expert(group, plan.expert, state, options, solve, expert_fallback)
-                bar.update()
+            for batch in _batches(layer_plans):
+                bar.set_postfix_str(f"layer {layer} {'/'.join(layer_plans[batch[0]].keys)}")
+                stats = [InputStats(layer_plans[g].k) for g in batch]
+                for xs in _map_samples(executor, step(batch), hidden, chunk):
+                    for st, x in zip(stats, xs):
+                        st.add(x)
+                for g, st in zip(batch, stats):
+                    plan = layer_plans[g]
+                    group = GroupInputs(layer, plan.keys, plan.names, st, plan.fold)
+                    if plan.expert is None:
+                        solve(group, state, options)
+                    else:
+                        _solve_expert(group, plan.expert, state, options, solve, expert_fallback)
+                    bar.update()
             # the quantized layer's output is the next layer's input
             for s, out in enumerate(_map_samples(executor, step(None), hidden, chunk)):
                 hidden[s] = out
@@ -654,6 +666,22 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
         bar.close()
         _STEP.clear()
     return state.result
+
+
+def _batches(plans: Sequence[_GroupPlan]) -> list[tuple[int, ...]]:
+    """Consecutive groups captured in one pass over the samples: the routed experts of one op with the same kind of
+    input (every expert's gate/up, then every expert's down). Solving one does not change another's input (x
+    precedes the op; expert e's hidden depends only on its own gate/up, all solved before the downs), so this is
+    the sequential result with one layer pass instead of one per expert; every other group is a pass of its own."""
+    batches: list[list[int]] = []
+    for g, plan in enumerate(plans):
+        last = plans[batches[-1][-1]] if batches else None
+        if last is not None and plan.expert is not None and last.expert is not None and last.op is plan.op \
+                and last.kind == plan.kind:
+            batches[-1].append(g)
+        else:
+            batches.append([g])
+    return [tuple(b) for b in batches]
 
 
 def _solve_expert(group: GroupInputs, expert: int, state: LayerState, options: Mapping[str, Any],

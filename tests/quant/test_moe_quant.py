@@ -108,3 +108,20 @@ def test_int8_refuses_experts(moe: dict[str, Any]) -> None:
 def test_threshold_below_one_is_refused(moe: dict[str, Any]) -> None:
     with pytest.raises(TopqError, match="expert_min_tokens"):
         convert_and_run(moe, "gptq", expert_min_tokens=0)
+
+
+def test_forked_pool_gives_the_same_bundle(moe: dict[str, Any], tmp_path: Any) -> None:
+    """The batched expert captures (every expert of a layer in one pass) travel through a forked pool's tasks
+    and give the same bytes as this process."""
+    out = tmp_path / "gptq.topq"
+    recipe = recipe_from_defaults(
+        model={"path": str(moe["root"] / "model")},
+        quant={"scheme": "gptq", "group_size": 32,
+               "calibration": {"data": str(moe["ids"]), "samples": SAMPLES, "seq_len": SEQ_LEN}},
+        target={"chip": "host"}, stages={"seq_length": 64, "max_input_length": 64, "prefill_kv": False},
+        output={"path": str(out)})
+    contents = []
+    for jobs in (1, 2):
+        assert convert(recipe, progress=False, jobs=jobs)["executor"] == ("inline" if jobs == 1 else "local")
+        contents.append(out.read_bytes())
+    assert contents[0] == contents[1]

@@ -12,8 +12,8 @@ import pytest
 from tiny_models import build_unrouted_moe, prompt
 
 from topq.core.bundle import Bundle
-from topq.core.inspect import describe, format_description
 from topq.core.errors import TopqError
+from topq.core.inspect import describe, format_description
 from topq.core.pipeline import convert
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
@@ -55,8 +55,8 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-# End to end on random token ids: GPTQ and AutoRound beat RTN; AWQ (which, the routed experts' input feeding the router too,
-# can only clip them, not scale) is on par — its per-linear errors are checked against RTN's above.
+# End to end on random token ids: GPTQ and AutoRound beat RTN; AWQ (which, the routed experts' input feeding the
+# router too, can only clip them, not scale) is on par — its per-linear errors are checked against RTN's above.
 @pytest.mark.parametrize("scheme, quant, margin", [("gptq", {}, 1.0), ("awq", {}, 1.1),
                                                     ("autoround", {"iters": 20}, 1.0)])
 def test_calibrated_schemes_report_expert_coverage_and_fall_back(moe: dict[str, Any], scheme: str,

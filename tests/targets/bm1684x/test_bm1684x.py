@@ -524,6 +524,7 @@ def test_other_families(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoin
     ("qwen3_moe", {"scheme": "bf16"}, 0.9999),
     ("qwen3_moe", {"scheme": "w4bf16", "group_size": 32}, 0.999),
     ("qwen2_moe", {"scheme": "w4bf16", "group_size": 32}, 0.999),
+    ("qwen2_moe", {"scheme": "w8bf16", "group_size": 32, "symmetric": True}, 0.999),
     ("mixtral", {"scheme": "bf16"}, 0.9999),
 ])
 def test_mixture_of_experts(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint, kind: str,
@@ -545,4 +546,4 @@ def test_mixture_of_experts(tmp_path_factory: pytest.TempPathFactory, tiny_check
     assert counts["tpu.MoE"] == sparse_layers * functions
     names = set(out["bm1684x"].tensor_names())
     expert = "model.layers.0.mlp.experts.3.down_proj.weight"
-    assert (expert + ".packed" in names) == quant["scheme"].startswith("w4") or kind == "mixtral"
+    assert (expert + ".packed" in names) == quant["scheme"].startswith("w")

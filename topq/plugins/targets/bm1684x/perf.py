@@ -337,21 +337,11 @@ class _Estimator:
         act_ops = MLP_ACT_OPS.get(str(op.attrs.get("act", "silu")), 4) + 1
         c = self._float_linear(rows, experts, hidden)
         c.vector_s += self.vector_s(rows * experts * VECTOR_OPS["Softmax"], 4)
-        for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
-            part = self._linear(rows * top_k, n, k)
-            c.flops += part.flops
-            c.cube_s += part.cube_s
-            c.vector_s += part.vector_s * active
-            c.bytes_per_core += part.bytes_per_core * active
+        self._add_gated_mlp(c, rows * top_k, inter, hidden, streams=active)
         c.vector_s += self.vector_s(rows * top_k * (inter * act_ops + hidden), self.mode.act_bytes)
         if len(op.operands) > 2 + 3 * experts:  # the shared expert and its gate
             shared = op.operands[-4].shape[0]
-            for n, k in ((shared, hidden), (shared, hidden), (hidden, shared)):
-                part = self._linear(rows, n, k)
-                c.flops += part.flops
-                c.cube_s += part.cube_s
-                c.vector_s += part.vector_s
-                c.bytes_per_core += part.bytes_per_core
+            self._add_gated_mlp(c, rows, shared, hidden, streams=1)
             gate = self._float_linear(rows, 1, hidden)
             c.flops += gate.flops
             c.cube_s += gate.cube_s
@@ -359,6 +349,16 @@ class _Estimator:
             c.vector_s += self.vector_s(rows * (shared * act_ops + 2 * hidden), self.mode.act_bytes)
         c.bytes_per_core += self.act(x, split=False) + self.act(op.results[0])
         return c
+
+    def _add_gated_mlp(self, c: _Cost, rows: int, inter: int, hidden: int, streams: float) -> None:
+        """Add gate, up and down of an expert MLP computed for `rows` tokens, its weights streamed `streams` times
+        (the number of distinct experts read, each with its own weights and dequantisation)."""
+        for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
+            part = self._linear(rows, n, k)
+            c.flops += part.flops
+            c.cube_s += part.cube_s
+            c.vector_s += part.vector_s * streams
+            c.bytes_per_core += part.bytes_per_core * streams
 
     def _float_linear(self, rows: int, n: int, k: int) -> _Cost:
         """[rows, K] @ W[N, K]ᵀ with W kept in the activation dtype (a router: never quantized)."""

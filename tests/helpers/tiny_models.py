@@ -47,6 +47,15 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
                             "long_factor": [1.0, 1.5, 2.2, 3.0, 4.0, 5.5, 7.0, 9.0]}}),
+    # Mixture of experts: 4 experts, top 2, narrow experts; Qwen2-MoE with a shared expert and a dense layer.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64, "mlp_only_layers": [1]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": None}),
 }
 
 
@@ -72,3 +81,18 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     import numpy as np
 
     return np.random.default_rng(seed).integers(3, VOCAB, size=n).tolist()
+
+
+def build_unrouted_moe(directory: Path, seed: int = 0) -> Any:
+    """A tiny Qwen3-MoE whose last expert no token is ever routed to: 5 experts, top 2, router rows a, a, -a, -a,
+    0. Every token's scores are t, t, -t, -t, 0 with t = a·x, so the top two are experts 0, 1 (t > 0) or 2, 3
+    (t < 0), never expert 4 (at t = 0 the tie goes to the lower indices)."""
+    overrides = {"num_experts": 5}
+    model = build_tiny("qwen3_moe", directory, seed, overrides=overrides)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            rows = layer.mlp.gate.weight
+            a = rows[0].clone()
+            rows.copy_(torch.stack([a, a, -a, -a, torch.zeros_like(a)]))
+    model.save_pretrained(directory, safe_serialization=True)
+    return model

@@ -108,3 +108,21 @@ def test_linear_weight_names_from_traits_match_the_old_rule(family: str, extra: 
     assert names == _old_linear_weight_names(module)
     assert "model.layers.1.mlp.down_proj.weight" in names and "model.layers.0.self_attn.o_proj.weight" in names
     assert not any("norm" in n for n in names)
+
+
+def test_moe_declares_each_experts_linears() -> None:
+    from topq.ir.catalogue import declared_linears
+    from topq.ir.top_ops import moe_expert_weights, moe_operands
+
+    linears = declared_linears("top.MoE", moe_operands(3, shared=True))
+    assert [(lin.role, lin.expert) for lin in linears] == [
+        (role, e) for e in range(3) for role in ("gate", "up", "down")] + [
+        ("shared_gate", None), ("shared_up", None), ("shared_down", None)]
+    for e in range(3):
+        gate, up, down = linears[3 * e:3 * e + 3]
+        assert (gate.weight, up.weight, down.weight) == moe_expert_weights(e)
+        assert down.input is None and down.scales_input == up.weight and down.hidden_from == (0, gate.weight,
+                                                                                            up.weight)
+    assert linears[-1].weight == moe_operands(3, shared=False) + 2  # the shared down; its gate [1, H] stays float
+    assert len(declared_linears("top.MoE", moe_operands(4, shared=False))) == 12
+    assert declared_linears("top.MLP", 4) == traits_of("top.MLP").linears

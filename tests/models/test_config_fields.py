@@ -28,7 +28,8 @@ from topq.models.fields import NUMERIC_FIELDS
 
 #: built-in family → the tiny kind whose transformers config it is checked with
 FAMILY_KINDS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                "gemma3": "gemma3", "phi3": "phi3"}
+                "gemma3": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+                "mixtral": "mixtral"}
 
 
 def hf_config(kind: str, **overrides: Any) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def format_description(info: dict[str, Any]) -> str:
     if info["quant_report"]:
         lines += ["", f"{'quantized linear':<48} {'mode':>6} {'output error':>12} {'RTN error':>12} {'ratio':>7}"]
         for row in info["quant_report"]:
-            lines.append(f"{row['name']:<48} {row.get('mode', '-'):>6} {row['error']:>12.3e} "
+            lines.append(f"{row['name']:<48} {row.get('mode', '-'):>6} {_number(row.get('error'), '12.3e')} "
                          f"{_number(row.get('rtn_error'), '12.3e')} {_number(row.get('ratio'), '7.3f')}")
     for section in info.get("text_sections", []):
         lines += ["", section]

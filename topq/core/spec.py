@@ -12,7 +12,34 @@ from typing import Any
 
 from topq.core.errors import TopqError
 
-__all__ = ["ModelSpec"]
+__all__ = ["MoESpec", "ModelSpec"]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The sparse mixture-of-experts feed-forward of a model (the `top.MoE` operands and attributes).
+
+    A layer is sparse unless it is in `dense_layers` (those use the plain MLP of `intermediate_size`).
+    `shared_intermediate_size` 0 means no shared expert."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = False
+    scoring: str = "softmax"
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TopqError(f"MoE: {name} = {value!r} in the config; it must be a positive integer")
+        if self.top_k > self.num_experts:
+            raise TopqError(f"MoE: {self.top_k} experts per token but only {self.num_experts} experts")
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 @dataclass(frozen=True)
@@ -47,13 +74,14 @@ class ModelSpec:
     local_rope_theta: float = 0.0  # RoPE base (default type) of the sliding-window layers; 0 = the global RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoESpec | None = None  # a mixture-of-experts feed-forward (None: dense)
 
     #: sizes the graph divides by or allocates: a config giving 0, a negative or a non-integer is refused here
     POSITIVE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "vocab_size")
 
     WRITTEN_WHEN_SET = ("o_proj_bias", "mlp_bias", "attention_scale", "attn_softcap", "final_softcap", "layer_windows",
-                        "local_rope_theta")
+                        "local_rope_theta", "moe")
 
     def __post_init__(self) -> None:
         for name in self.POSITIVE:
@@ -81,6 +109,8 @@ class ModelSpec:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_windows"] = list(self.layer_windows)
+        if self.moe is not None:
+            d["moe"]["dense_layers"] = list(self.moe.dense_layers)
         # Fields added after the bundle format settled are written only when used, so the bundles of models
         # that do not use them stay byte-identical to earlier ones.
         for f in fields(self):
@@ -97,4 +127,11 @@ class ModelSpec:
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_windows"] = tuple(d.get("layer_windows", ()))
+        if d.get("moe") is not None:
+            moe = dict(d["moe"])
+            unknown = set(moe) - {f.name for f in fields(MoESpec)}
+            if unknown:
+                raise TopqError(f"model spec moe has unknown fields: {', '.join(sorted(unknown))}")
+            moe["dense_layers"] = tuple(moe.get("dense_layers", ()))
+            d["moe"] = MoESpec(**moe)
         return cls(**d)

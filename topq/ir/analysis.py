@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from topq.ir.catalogue import Linear, traits_of
+from topq.ir.catalogue import Linear, declared_linears, traits_of
 from topq.ir.graph import Function, Module, Operation, Value
 
 #: value id → the ops reading it, in op order; None stands for "returned by the function"
@@ -75,7 +75,7 @@ class LinearUse:
 
 def op_linears(op: Operation) -> Iterator[LinearUse]:
     """The linears of one op whose weight is a named weight, in the op's declared order."""
-    for linear in traits_of(op.name).linears:
+    for linear in declared_linears(op.name, len(op.operands)):
         name = weight_name(op.operands[linear.weight])
         if name is not None:
             yield LinearUse(op, linear, name)

@@ -71,6 +71,10 @@ class Linear:
     layout_attr: str | None = None
     scales_input: int | None = None
     bias: int | None = None  # the operand holding its bias, when present
+    # `input` None: the operands (x, gate weight, up weight) the hidden activation act(x W_gᵀ)·(x W_uᵀ) is made of
+    hidden_from: tuple[int, int, int] | None = None
+    # the linear sees only the tokens its op routes to expert `expert` (top.MoE); None: every token
+    expert: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ class Traits:
       `keeps_order`: and in the same order (a reshape), so channel c of the flat data stays channel c.
     * `norm_scale` / `norm_bias`: a normalization whose per-channel scale (and bias) operand can absorb a
       per-channel factor of its output (divide them by s and the output is divided by s).
+    * `linears_of`: for an op with a variable number of operands (top.MoE: three per expert), its linears as a
+      function of the operand count; `declared_linears` gives either.
     * `mixes_heads_of`: the output channel (head h, dim d) is a weighted sum over positions of this operand's
       channel (h // (q_head / kv_head), d): attention with grouped KV heads, so a per-channel factor of that
       operand reaches the output unchanged (o_proj's input can be scaled in v_proj's rows). The op has
@@ -100,9 +106,16 @@ class Traits:
     norm_scale: int | None = None
     norm_bias: int | None = None
     mixes_heads_of: int | None = None
+    linears_of: Callable[[int], tuple[Linear, ...]] | None = None
 
 
 NO_TRAITS = Traits()
+
+
+def declared_linears(name: str, operand_count: int) -> tuple[Linear, ...]:
+    """The linears op `name` with `operand_count` operands declares (`Traits.linears` or `Traits.linears_of`)."""
+    traits = traits_of(name)
+    return traits.linears_of(operand_count) if traits.linears_of is not None else traits.linears
 
 #: (operand types, attrs with defaults filled) → result types; None means "no inference, trust the IR".
 InferFn = Callable[[Sequence[Type], dict[str, Any]], list[Type] | None]

@@ -30,6 +30,8 @@ __all__ = [
     "gelu",
     "mlp_activation",
     "mlp_hidden",
+    "moe_expert_tokens",
+    "moe_routing",
     "rope_tables",
     "silu",
     "softmax",
@@ -510,6 +512,62 @@ def _mlp(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     return [_linear(act, wd, True)]
 
 
+def moe_routing(x2: np.ndarray, router: np.ndarray, top_k: int, scoring: str = "softmax",
+                norm_topk_prob: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """top.MoE's routing of tokens x2 [T, H]: the chosen experts [T, top_k] (int, best first, ties to the lower
+    index) and their weights [T, top_k] float32. As transformers' TopKRouter: scores in float32 over all experts
+    (softmax, or an elementwise sigmoid), top-k of the scores, then (norm_topk_prob) divided by their sum."""
+    logits = _linear(_f32(x2), _f32(router), True)
+    if scoring == "softmax":
+        scores = softmax(logits, axis=-1)
+    elif scoring == "sigmoid":
+        scores = np.float32(1) / (np.float32(1) + np.exp(-logits))
+    else:
+        raise TopqError(f"top.MoE: scoring must be softmax or sigmoid, got {scoring!r}")
+    chosen = _smallest_k(-scores, top_k)
+    weights = np.take_along_axis(scores, chosen, axis=1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(axis=1, keepdims=True)
+    return chosen, weights.astype(np.float32)
+
+
+def moe_expert_tokens(chosen: np.ndarray, weights: np.ndarray, expert: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens routed to `expert` (ascending) and their routing weights."""
+    tokens, slot = np.nonzero(chosen == expert)
+    return tokens, weights[tokens, slot]
+
+
+def _gated_mlp(x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray, act: str) -> np.ndarray:
+    hidden = mlp_activation(act, _linear(x, wg, True))
+    hidden *= _linear(x, wu, True)
+    return _linear(hidden, wd, True)
+
+
+def _moe(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    op = "top.MoE"
+    experts, top_k = int(_attr(op, attrs, "num_experts")), int(_attr(op, attrs, "top_k"))
+    shared = len(inputs) == 2 + 3 * experts + 4
+    if len(inputs) != 2 + 3 * experts and not shared:
+        raise TopqError(f"{op}: {len(inputs)} operands do not fit num_experts={experts}")
+    x = _f32(inputs[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    act = str(attrs.get("act", "silu"))
+    chosen, weights = moe_routing(x2, inputs[1], top_k, str(attrs.get("scoring", "softmax")),
+                                  bool(attrs.get("norm_topk_prob", False)))
+    out = np.zeros_like(x2)
+    # Expert by expert on its own tokens, summed in expert order (transformers' index_add_ order): only the
+    # chosen experts' weights are read.
+    for e in np.unique(chosen):
+        tokens, w = moe_expert_tokens(chosen, weights, int(e))
+        wg, wu, wd = (_f32(a) for a in inputs[2 + 3 * e:5 + 3 * e])
+        out[tokens] += _gated_mlp(x2[tokens], wg, wu, wd, act) * w[:, None]
+    if shared:
+        wg, wu, wd, w_gate = (_f32(a) for a in inputs[-4:])
+        gate = _linear(x2, w_gate, True)
+        out += (np.float32(1) / (np.float32(1) + np.exp(-gate))) * _gated_mlp(x2, wg, wu, wd, act)
+    return [out.reshape(x.shape)]
+
+
 def _topk(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     op = "top.TopK"
     _arity(op, inputs, 1)
@@ -575,5 +633,6 @@ REFERENCE_OPS: dict[str, Kernel] = {
     "top.GELU": _gelu_op,
     "top.Softmax": _softmax_op,
     "top.TopK": _topk,
+    "top.MoE": _moe,
     "top.MatMulInt8": _matmul_int8,
 }

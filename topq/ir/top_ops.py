@@ -8,7 +8,9 @@ weights are in Hugging Face Linear layout `[out, in]` and used with `right_trans
 (Gemma 2; absent or 0: none), then the mask. `window` > 0 is a sliding window: among the last `Lq` keys (the
 queries' own tokens) query i sees key j only if `i - j < window`; history keys (the first `Lk - Lq`) are
 windowed by the mask, which the runtime builds from positions, because only it knows how much of a static
-history buffer is filled. `top.Rope` takes x `[B, L, H, D]` and cos/sin `[B, L, R]` (R ≤ D).
+history buffer is filled. `top.Rope` takes x `[B, L, H, D]` and cos/sin `[B, L, R]` (R ≤ D);
+`top.MoE` takes x `[..., H]`, the router `[E, H]`, gate/up/down of each expert in turn and optionally a shared
+expert's gate/up/down and its gate `[1, H]` (see `moe_operands`).
 """
 
 from __future__ import annotations
@@ -160,6 +162,60 @@ def _mlp(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     return [x]
 
 
+def moe_operands(num_experts: int, shared: bool) -> int:
+    """top.MoE's operand count: x, the router, (gate, up, down) per expert, (gate, up, down, gate [1, H]) shared."""
+    return 2 + 3 * num_experts + (4 if shared else 0)
+
+
+def moe_expert_weights(expert: int) -> tuple[int, int, int]:
+    """The operands holding expert `expert`'s gate, up and down weights."""
+    return 2 + 3 * expert, 3 + 3 * expert, 4 + 3 * expert
+
+
+def _moe_experts(operand_count: int) -> tuple[int, bool]:
+    """(experts, has a shared expert) of a top.MoE with this many operands."""
+    rest = operand_count - 2
+    shared = rest % 3 == 1
+    return (rest - 4) // 3 if shared else rest // 3, shared
+
+
+def _gated_mlp_linears(gate: int, up: int, down: int, prefix: str, expert: int | None) -> tuple[Linear, ...]:
+    return (Linear(gate, 0, prefix + "gate", expert=expert), Linear(up, 0, prefix + "up", expert=expert),
+            Linear(down, None, prefix + "down", scales_input=up, hidden_from=(0, gate, up), expert=expert))
+
+
+def _moe_linears(operand_count: int) -> tuple[Linear, ...]:
+    """Each expert's gate/up/down (seeing only its routed tokens), then the shared expert's. The router and the
+    shared expert's gate stay float (as GPTQ / AWQ checkpoints of MoE models keep them)."""
+    experts, shared = _moe_experts(operand_count)
+    linears = [lin for e in range(experts) for lin in _gated_mlp_linears(*moe_expert_weights(e), "", e)]
+    if shared:
+        s = moe_operands(experts, False)
+        linears += _gated_mlp_linears(s, s + 1, s + 2, "shared_", None)
+    return tuple(linears)
+
+
+def _moe(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, router, *weights = _tensors(types)
+    experts, shared = _moe_experts(len(types))
+    h, declared = x.shape[-1], attrs["num_experts"]
+    if len(types) != moe_operands(declared, shared):
+        raise InferError(f"MoE with num_experts={declared} takes {moe_operands(declared, False)} or "
+                         f"{moe_operands(declared, True)} operands, got {len(types)}")
+    if router.shape != (experts, h):
+        raise InferError(f"MoE router {list(router.shape)} does not fit {experts} experts of hidden {h}")
+    if not 0 < attrs["top_k"] <= experts:
+        raise InferError(f"MoE top_k = {attrs['top_k']} is out of range for {experts} experts")
+    for e in range(experts + shared):
+        gate, up, down = weights[3 * e:3 * e + 3]
+        if gate.shape != up.shape or gate.shape[1:] != (h,) or down.shape != (h, gate.shape[0]):
+            raise InferError(f"MoE expert weights gate {list(gate.shape)}, up {list(up.shape)}, down "
+                             f"{list(down.shape)} do not fit hidden {h}")
+    if shared and weights[-1].shape != (1, h):
+        raise InferError(f"MoE shared expert gate {list(weights[-1].shape)} is not [1, {h}]")
+    return [x]
+
+
 def _topk(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     (x,) = _tensors(types)
     axis = attrs["axis"] % x.rank
@@ -213,7 +269,16 @@ define("top.FAttention", (3, 4),
        infer=_fattention, traits=Traits(mixes_heads_of=2))
 define("top.MLP", 4, attrs={"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))}, infer=_mlp,
        traits=Traits(weights=(1, 2, 3), linears=(Linear(1, 0, "gate"), Linear(2, 0, "up"),
-                                                 Linear(3, None, "down", scales_input=2))))
+                                                 Linear(3, None, "down", scales_input=2,
+                                                        hidden_from=(0, 1, 2)))))
+# Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): router scores (softmax or sigmoid, float32) of x Wᵣᵀ, the
+# top_k experts per token (ties to the lower index), their scores renormalised to sum 1 when norm_topk_prob, the
+# sum of score · gated MLP of each chosen expert, plus sigmoid(x W_sgᵀ) · shared gated MLP when present.
+define("top.MoE", (5, None),
+       attrs={"num_experts": A("int"), "top_k": A("int"), "scoring": A("str", "softmax", ("softmax", "sigmoid")),
+              "norm_topk_prob": A("bool", False), "act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))},
+       infer=_moe, traits=Traits(weights=(1,), linears_of=_moe_linears),
+       doc="sparse mixture of gated-MLP experts with a top-k router and an optional gated shared expert")
 define("top.SiLU", 1, infer=_same, traits=ELEMENTWISE)
 define("top.Tanh", 1, infer=_same, traits=ELEMENTWISE)
 define("top.GELU", 1, attrs={"approximate": A("str", "none", ("none", "tanh"))}, infer=_same, traits=ELEMENTWISE)

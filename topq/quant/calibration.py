@@ -44,7 +44,7 @@ from topq.core.stages import rope_weights
 from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.graph import Function, Operation, Value
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.reference_ops import mlp_hidden
+from topq.ir.reference_ops import mlp_hidden, moe_expert_tokens, moe_routing
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
@@ -52,7 +52,7 @@ from topq.quant.grid import (
     quantize_groups,
     resolve_group_size,
 )
-from topq.quant.options import ACT_DTYPE, WEIGHT_OPTIONS, act_dtype
+from topq.quant.options import ACT_DTYPE, EXPERT_MIN_TOKENS, EXPERT_MIN_TOKENS_OPTION, WEIGHT_OPTIONS, act_dtype
 from topq.quant.program import ProgramSource, calibration_program, program_source
 from topq.quant.sites import INPUT, FoldTarget, group_sites
 
@@ -360,8 +360,9 @@ class GroupInputs:
     layer: int
     keys: tuple[str, ...]
     names: tuple[str, ...]
-    stats: InputStats
+    stats: Any  # what the scheme's `observe` made (default InputStats)
     fold: FoldTarget | None = None
+    tokens: int = 0  # calibration tokens that reached this input (an expert's coverage)
 
 
 @dataclass
@@ -369,22 +370,39 @@ class _GroupPlan:
     keys: tuple[str, ...]
     names: tuple[str, ...]
     op: Operation  # the op whose input is captured
-    kind: str  # "input": operand `operand`; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside a top.MLP
+    kind: str  # "input": operand `operand`; "mlp_hidden": act(x Wgᵀ) * (x Wuᵀ) inside the op (from `hidden_from`)
     k: int
     fold: FoldTarget | None = None
     operand: int = 0
+    expert: int | None = None  # only the tokens `op` routes to this expert reach the group (top.MoE)
+    hidden_from: tuple[int, int, int] = (0, 1, 2)
 
 
 def _find_groups(function: Function, family: Any, spec: Any, layer: int) -> list[_GroupPlan]:
-    """The quant groups of one block function, in execution order, with what to capture and where to fold."""
+    """The quant groups of one block function, in execution order, with what to capture and where to fold.
+
+    The family's groups (a group none of whose linears the layer has is skipped: a sparse layer has no dense
+    MLP), then its other layer linears one by one, then the linears of fused ops that are no family weight (a
+    top.MoE's experts): one group per op, expert and input, keyed by the linears' roles."""
     key_of = {template.format(i=layer): key for key, template in family.layer_weights.items()}
-    linears = list(dict.fromkeys(use.weight for use in linear_uses(function)))  # in order of first use
+    uses = linear_uses(function)
+    linears = list(dict.fromkeys(use.weight for use in uses))  # in order of first use
     groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in linears if n in key_of]
+    present = set(linears)
+    groups = [g for g in groups if any(family.layer_weights[k].format(i=layer) in present for k in g)]
     covered = {k for g in groups for k in g}
     groups += [(key_of[n],) for n in linears if n in key_of and key_of[n] not in covered]
     names = [tuple(family.layer_weights[key].format(i=layer) for key in keys) for keys in groups]
+    fused: dict[tuple[int, int | None, bool], list[Any]] = {}
+    for use in uses:
+        if use.weight not in key_of:
+            fused.setdefault((id(use.op), use.linear.expert, use.input is None), []).append(use)
+    for members in fused.values():
+        groups.append(tuple(u.role for u in members))
+        names.append(tuple(u.weight for u in members))
     sites = group_sites(function, names, lambda g: "/".join(groups[g]))
-    return [_GroupPlan(groups[site.group], site.names, site.op, site.kind, site.k, site.fold, site.operand)
+    return [_GroupPlan(groups[site.group], site.names, site.op, site.kind, site.k, site.fold, site.operand,
+                       site.expert, site.hidden_from)
             for site in sites if site.group is not None]
 
 
@@ -402,8 +420,8 @@ class _CaptureInterpreter(Interpreter):
         super().__init__(module, state.current_weight)
         self.state = state
         self._version = state.version
-        self.plan_: _GroupPlan | None = None
-        self.stats: InputStats | None = None
+        self.plans_: list[_GroupPlan] = []
+        self.stats: list[InputStats] = []
         self._at: Operation | None = None  # the op whose tap captures
 
     def load_weight(self, op: Operation) -> np.ndarray:
@@ -413,11 +431,12 @@ class _CaptureInterpreter(Interpreter):
                             f"the program expects {list(op.results[0].type.shape)}")
         return array
 
-    def capture(self, plan: _GroupPlan | None, stats: InputStats | None) -> None:
-        """Feed `plan`'s input to `stats` (through the interpreter's tap) and stop the layer there; None: run it."""
-        self.plan_, self.stats = plan, stats
-        self._at = None if plan is None else _capture_point(plan)
-        self.tap = None if plan is None else self._capture
+    def capture(self, plans: Sequence[_GroupPlan], stats: Sequence[InputStats]) -> None:
+        """Feed each plan's input to its stats (through the interpreter's tap) and stop the layer there; no plans:
+        run it. Plans captured together share their capture point (`_batches`)."""
+        self.plans_, self.stats = list(plans), list(stats)
+        self._at = _capture_point(self.plans_[0]) if self.plans_ else None
+        self.tap = self._capture if self.plans_ else None
 
     def run(self, name: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         if self.state.version != self._version:  # weights changed: rebuild plans (they hold the weight arrays)
@@ -426,21 +445,44 @@ class _CaptureInterpreter(Interpreter):
         return super().run(name, inputs)
 
     def _capture(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
-        plan = self.plan_
-        if plan is None or step.op is not self._at:
+        if not self.plans_ or step.op is not self._at:
             return
-        assert self.stats is not None
-        op, at_group = plan.op, step.op is plan.op
-        if plan.kind == INPUT:
-            self.stats.add(inputs[plan.operand] if at_group else outputs[op.operands[plan.operand].index])
-        else:
-            if at_group:
-                x, w_gate, w_up = inputs[0], inputs[1], inputs[2]
-            else:  # the weights are the plan's constants: the arrays the MLP would read
-                x = outputs[op.operands[0].index]
-                w_gate, w_up = (self.load_weight(_owner(op.operands[i])) for i in (1, 2))
-            self.stats.add(mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2])
+        routing = _routing(step.op, inputs) if any(p.expert is not None for p in self.plans_) else None
+        for plan, stats in zip(self.plans_, self.stats):
+            self._add(plan, stats, step, inputs, outputs, routing)
         raise _StopLayer
+
+    def _add(self, plan: _GroupPlan, stats: InputStats, step: Step, inputs: list[np.ndarray],
+             outputs: list[np.ndarray], routing: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> None:
+        op, at_group = plan.op, step.op is plan.op
+        if plan.expert is not None:  # at the op (see _capture_point): only the tokens routed to the expert
+            assert routing is not None
+            x2, chosen, weights = routing
+            x = x2[moe_expert_tokens(chosen, weights, plan.expert)[0]]
+            if plan.kind == INPUT:
+                stats.add(x)
+            else:
+                stats.add(mlp_hidden(x, inputs[plan.hidden_from[1]], inputs[plan.hidden_from[2]],
+                                     str(op.attrs.get("act", "silu")))[2])
+        elif plan.kind == INPUT:
+            stats.add(inputs[plan.operand] if at_group else outputs[op.operands[plan.operand].index])
+        else:
+            x_at, gate_at, up_at = plan.hidden_from
+            if at_group:
+                x, w_gate, w_up = inputs[x_at], inputs[gate_at], inputs[up_at]
+            else:  # the weights are the plan's constants: the arrays the MLP would read
+                x = outputs[op.operands[x_at].index]
+                w_gate, w_up = (self.load_weight(_owner(op.operands[i])) for i in (gate_at, up_at))
+            stats.add(mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2])
+
+
+def _routing(op: Operation, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A top.MoE's input x as [tokens, H] and its routing (chosen experts, their weights), as the op computes it."""
+    x = np.asarray(inputs[0], dtype=np.float32)
+    x = x.reshape(-1, x.shape[-1])
+    chosen, weights = moe_routing(x, inputs[1], int(op.attrs["top_k"]), str(op.attrs.get("scoring", "softmax")),
+                                  bool(op.attrs.get("norm_topk_prob", False)))
+    return x, chosen, weights
 
 
 def _owner(value: Value) -> Operation:
@@ -451,12 +493,13 @@ def _owner(value: Value) -> Operation:
 
 def _capture_point(plan: _GroupPlan) -> Operation:
     """The op after which the group's input is known: the producer of the linears' input, so that the linears (for
-    top.MLP the whole fused MLP) need not run first; the group's own op when the input is a function argument."""
-    x = plan.op.operands[plan.operand if plan.kind == INPUT else 0]
+    top.MLP the whole fused MLP) need not run first; the group's own op when the input is a function argument, or
+    when the group sees only routed tokens (the routing needs the op's router weight)."""
+    x = plan.op.operands[plan.operand if plan.kind == INPUT else plan.hidden_from[0]]
     source = producer(x)
-    if source is None or weight_name(x) is not None:
+    if source is None or weight_name(x) is not None or plan.expert is not None:
         return plan.op
-    if plan.kind != INPUT and any(weight_name(plan.op.operands[i]) is None for i in (1, 2)):
+    if plan.kind != INPUT and any(weight_name(plan.op.operands[i]) is None for i in plan.hidden_from[1:]):
         return plan.op  # the hidden activation needs gate / up weights that are constants of the plan
     return source
 
@@ -505,13 +548,13 @@ class _FixedWeights:
 
 @dataclass
 class _LayerStep:
-    """One step of the layer loop, as its tasks see it: capture group `group`'s input (None: the layer output)
-    for some samples, with the layer's weights as they are now."""
+    """One step of the layer loop, as its tasks see it: capture the inputs of some groups (None: the layer
+    output) for some samples, with the layer's weights as they are now."""
 
     token: str  # unique: a worker keeps its interpreter for the step it last ran
     source: ProgramSource
     layer: int
-    group: int | None
+    groups: tuple[int, ...] | None  # captured together (`_batches`); None: the layer output
     weights: dict[str, np.ndarray]  # every weight block_{layer} reads, as the model computes with it now
     hidden: np.ndarray | None = None  # every sample's layer input [samples, L, H] (executors that share memory)
 
@@ -519,30 +562,32 @@ class _LayerStep:
 _STEP: dict[str, Any] = {}  # this process's interpreter for the step it last ran
 
 
-def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, _GroupPlan | None]:
+def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, list[_GroupPlan] | None]:
     if _STEP.get("token") != step.token:
         module, family, spec = calibration_program(step.source)
-        plan = None
-        if step.group is not None:
-            plan = _find_groups(module[f"block_{step.layer}"], family, spec, step.layer)[step.group]
+        plans = None
+        if step.groups is not None:
+            found = _find_groups(module[f"block_{step.layer}"], family, spec, step.layer)
+            plans = [found[g] for g in step.groups]
         _STEP.clear()
         _STEP.update(token=step.token, interp=_CaptureInterpreter(module, _FixedWeights(step.weights)),  # type: ignore[arg-type]
-                     plan=plan)
-    return _STEP["interp"], _STEP["plan"]
+                     plans=plans)
+    return _STEP["interp"], _STEP["plans"]
 
 
-def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None) -> list[np.ndarray]:
-    """A calibration task: for samples start..stop, the input the step's group sees (or the layer's output), one
-    array per sample. `rows` are those samples' layer inputs, unless the step carries them all (`hidden`)."""
+def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None) -> list[Any]:
+    """A calibration task: for samples start..stop, the inputs the step's groups see (a list of one array per
+    group), or the layer's output (an array), per sample. `rows` are those samples' layer inputs, unless the step
+    carries them all (`hidden`)."""
     step: _LayerStep = resolve(step_handle)
-    interp, plan = _step_runner(step)
+    interp, plans = _step_runner(step)
     hidden = rows if rows is not None else step.hidden[start:stop]  # type: ignore[index]
     positions = np.arange(step.source.seq_len, dtype=np.int32)[None]
     name = f"block_{step.layer}"
-    if plan is None:
+    if plans is None:
         return [interp.run(name, [h[None], positions])[0][0] for h in hidden]
-    captured = _Captured()
-    interp.capture(plan, captured)  # type: ignore[arg-type]
+    captured = [_Captured() for _ in plans]
+    interp.capture(plans, captured)  # type: ignore[arg-type]
     try:
         for h in hidden:
             try:
@@ -550,8 +595,8 @@ def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None
             except _StopLayer:
                 pass
     finally:
-        interp.capture(None, None)
-    return captured.items
+        interp.capture([], [])
+    return [[c.items[i] for c in captured] for i in range(len(hidden))]
 
 
 def _chunk_size(executor: TaskExecutor, samples: int) -> int:
@@ -583,8 +628,11 @@ def _weights_read(function: Function) -> list[str]:
 
 def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver, options: Mapping[str, Any],
                     progress: bool = True, desc: str = "calibrate", executor: TaskExecutor | None = None,
-                    observe: Callable[[int], Any] = InputStats) -> CalibrationResult:
+                    observe: Callable[[int], Any] = InputStats, expert_fallback: bool = True) -> CalibrationResult:
     """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc).
+
+    A routed expert's group (top.MoE) is solved on the tokens routed to it; with `expert_fallback` one that
+    received fewer than `expert_min_tokens` is rounded to nearest instead (`_solve_expert`).
 
     The per-sample work — running the layer up to a group's input, and the quantized layer's forward — runs as
     tasks on `executor` (default: this process). Tasks return the captured inputs / outputs and this process adds
@@ -610,17 +658,26 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
         for layer, layer_plans in enumerate(plans):
             reads = _weights_read(module[f"block_{layer}"])
 
-            def step(group: int | None, layer: int = layer, reads: list[str] = reads) -> _LayerStep:
-                return _LayerStep(uuid.uuid4().hex, source, layer, group,
+            def step(groups: tuple[int, ...] | None, layer: int = layer, reads: list[str] = reads) -> _LayerStep:
+                return _LayerStep(uuid.uuid4().hex, source, layer, groups,
                                   {n: state.current_weight(n) for n in reads})
 
-            for g, plan in enumerate(layer_plans):
-                bar.set_postfix_str(f"layer {layer} {'/'.join(plan.keys)}")
-                stats = observe(plan.k)
-                for x in _map_samples(executor, step(g), hidden, chunk):
-                    stats.add(x)
-                solve(GroupInputs(layer, plan.keys, plan.names, stats, plan.fold), state, options)
-                bar.update()
+            for batch in _batches(layer_plans):
+                bar.set_postfix_str(f"layer {layer} {'/'.join(layer_plans[batch[0]].keys)}")
+                stats = [observe(layer_plans[g].k) for g in batch]
+                tokens = [0] * len(batch)
+                for xs in _map_samples(executor, step(batch), hidden, chunk):
+                    for i, (st, x) in enumerate(zip(stats, xs)):
+                        st.add(x)
+                        tokens[i] += int(np.prod(np.shape(x)[:-1]))
+                for g, st, seen in zip(batch, stats, tokens):
+                    plan = layer_plans[g]
+                    group = GroupInputs(layer, plan.keys, plan.names, st, plan.fold, seen)
+                    if plan.expert is None:
+                        solve(group, state, options)
+                    else:
+                        _solve_expert(group, plan.expert, state, options, solve, expert_fallback)
+                    bar.update()
             # the quantized layer's output is the next layer's input
             for s, out in enumerate(_map_samples(executor, step(None), hidden, chunk)):
                 hidden[s] = out
@@ -630,6 +687,52 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
         bar.close()
         _STEP.clear()
     return state.result
+
+
+def _batches(plans: Sequence[_GroupPlan]) -> list[tuple[int, ...]]:
+    """Consecutive groups captured in one pass over the samples: the routed experts of one op with the same kind of
+    input (every expert's gate/up, then every expert's down). Solving one does not change another's input (x
+    precedes the op; expert e's hidden depends only on its own gate/up, all solved before the downs), so this is
+    the sequential result with one layer pass instead of one per expert; every other group is a pass of its own."""
+    batches: list[list[int]] = []
+    for g, plan in enumerate(plans):
+        last = plans[batches[-1][-1]] if batches else None
+        if last is not None and plan.expert is not None and last.expert is not None and last.op is plan.op \
+                and last.kind == plan.kind:
+            batches[-1].append(g)
+        else:
+            batches.append([g])
+    return [tuple(b) for b in batches]
+
+
+def _solve_expert(group: GroupInputs, expert: int, state: LayerState, options: Mapping[str, Any],
+                  solve: GroupSolver, fallback: bool) -> None:
+    """A routed expert's group: solved on the tokens routed to it, or — `fallback` and fewer than
+    `expert_min_tokens` of them (too few to estimate its input statistics) — rounded to nearest; either way each
+    linear's report row says how many tokens the expert received (its coverage), and a fallback says so in
+    `mode` and `fallback`. Without `fallback` (the RTN error report) an expert no token reached has no error."""
+    tokens = group.tokens
+    minimum = int(options.get("expert_min_tokens") or EXPERT_MIN_TOKENS) if fallback else 1
+    first = len(state.result.report)
+    if tokens >= minimum:
+        solve(group, state, options)
+        for row in state.result.report[first:]:
+            row.update(expert=expert, tokens=tokens)
+        return
+    if not fallback:
+        state.result.report += [{"name": name, "error": None, "expert": expert, "tokens": 0} for name in group.names]
+        return
+    bits, symmetric = int(options.get("bits") or 4), bool(options.get("symmetric", False))
+    for name in group.names:
+        w = state.float_weight(name)
+        qw = quantize_groups(w, check_bits(bits), resolve_group_size(options.get("group_size"), w.shape[1]),
+                             symmetric)
+        state.set_quantized(name, qw)
+        measured = tokens and isinstance(group.stats, InputStats)
+        error = relative_output_error(w, state.current_weight(name), group.stats.hessian()) if measured else None
+        state.result.report.append({"name": name, "mode": "rtn", "error": error, "expert": expert,
+                                    "tokens": tokens, "fallback": f"rtn: {tokens} calibration tokens routed to "
+                                                                  f"expert {expert}, fewer than {minimum}"})
 
 
 def relative_output_error(w: np.ndarray, w_hat: np.ndarray, h: np.ndarray) -> float:
@@ -660,7 +763,8 @@ def quantization_report(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
             state.result.report.append({"name": name, "error": error})
 
     windows = calibration_windows(model, recipe)
-    return run_calibration(model, windows, report, options, desc=f"{scheme.name} error", executor=executor)
+    return run_calibration(model, windows, report, options, desc=f"{scheme.name} error", executor=executor,
+                           expert_fallback=False)
 
 
 # ================================================================================ schemes
@@ -673,7 +777,8 @@ def weight_options(quant: Mapping[str, Any], scheme: str) -> dict[str, Any]:
     if bits not in (4, 8):
         raise TopqError(f"quant.bits must be 4 or 8 for scheme {scheme}, got {bits}")
     return {"bits": bits, "group_size": int(quant["group_size"]), "symmetric": bool(quant["symmetric"]),
-            "act_dtype": act_dtype(quant)}
+            "act_dtype": act_dtype(quant),
+            "expert_min_tokens": int(quant.get("expert_min_tokens") or EXPERT_MIN_TOKENS)}
 
 
 def calibration_scheme(name: str, description: str, *, solve: WeightSolver | None = None,
@@ -715,5 +820,6 @@ def calibration_scheme(name: str, description: str, *, solve: WeightSolver | Non
                                bool(options.get("symmetric", False)))
 
     return QuantScheme(name, description, compute_dtype="bf16", weight_bits=4,
-                       options=(*WEIGHT_OPTIONS, ACT_DTYPE, *own_options), needs_calibration=True,
-                       quantize=quantize, calibrate=calibrate, product=product, observe=observe, solve=solve)
+                       options=(*WEIGHT_OPTIONS, ACT_DTYPE, EXPERT_MIN_TOKENS_OPTION, *own_options),
+                       needs_calibration=True, quantize=quantize, calibrate=calibrate, product=product,
+                       observe=observe, solve=solve)

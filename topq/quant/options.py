@@ -13,7 +13,8 @@ from topq.core.errors import TopqError
 from topq.core.quant import Option
 from topq.core.recipe import Field
 
-__all__ = ["ACT_DTYPE", "BITS", "GROUP_SIZE", "SYMMETRIC", "WEIGHT_OPTIONS", "act_dtype"]
+__all__ = ["ACT_DTYPE", "BITS", "EXPERT_MIN_TOKENS", "EXPERT_MIN_TOKENS_OPTION", "GROUP_SIZE", "SYMMETRIC",
+           "WEIGHT_OPTIONS", "act_dtype"]
 
 BITS = Option("bits", Field("int", None, nullable=True, ge=1, le=16, help="weight bits; null = the scheme's default"))
 GROUP_SIZE = Option("group_size", Field("int", 64, ge=-1,
@@ -21,6 +22,11 @@ GROUP_SIZE = Option("group_size", Field("int", 64, ge=-1,
 SYMMETRIC = Option("symmetric", Field("bool", False, help="symmetric (no zero point) weight quantization"))
 ACT_DTYPE = Option("act_dtype", Field("str", None, nullable=True,
                                       help="activation dtype for weight-only algorithms"))
+EXPERT_MIN_TOKENS = 16
+EXPERT_MIN_TOKENS_OPTION = Option("expert_min_tokens", Field(
+    "int", EXPERT_MIN_TOKENS, ge=1,
+    help="calibrated schemes: a mixture-of-experts expert routed fewer calibration tokens than this is rounded to "
+         "nearest instead (reported)"))
 
 #: what every weight-only scheme reads
 WEIGHT_OPTIONS = (BITS, GROUP_SIZE, SYMMETRIC)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topq.ir.analysis import LinearUse, Users, linear_uses, op_linears, producer, users, weight_name
-from topq.ir.catalogue import CATALOGUE, traits_of
+from topq.ir.catalogue import CATALOGUE, declared_linears, traits_of
 from topq.ir.errors import TopqError
 from topq.ir.graph import Function, Operation, Value
 
@@ -68,6 +68,8 @@ class Site:
     fold: FoldTarget | None
     group: int | None = None  # `group_sites`: the index of the group it was made for
     operand: int = 0  # INPUT: the operand of `op` that is the input
+    expert: int | None = None  # the linears see only the tokens `op` routes to this expert (top.MoE)
+    hidden_from: tuple[int, int, int] = (0, 1, 2)  # MLP_HIDDEN: the operands (x, gate, up) it is computed from
 
 
 # ================================================================================ folds
@@ -166,9 +168,14 @@ def group_sites(function: Function, groups: Sequence[tuple[str, ...]], where: Ca
         if missing:
             raise TopqError(f"quant group {where(g)}: {missing[0]} is not a linear of {function.name}")
         members = [uses[n] for n in names]
+        experts = {u.linear.expert for u in members}
+        if len(experts) != 1 or len({id(u.op) for u in members if u.linear.expert is not None}) > 1:
+            raise TopqError(f"quant group {where(g)} of {function.name} mixes linears of different experts")
+        expert = experts.pop()
         if all(u.input is None for u in members):
             first = members[0]
-            sites.append(Site(names, first.op, MLP_HIDDEN, _hidden_k(first), _hidden_fold(first), g))
+            sites.append(Site(names, first.op, MLP_HIDDEN, _hidden_k(first), _hidden_fold(first), g, expert=expert,
+                              hidden_from=first.linear.hidden_from or (0, 1, 2)))
             continue
         inputs = {id(u.input) for u in members}
         if len(inputs) != 1 or any(u.input is None for u in members):
@@ -177,8 +184,11 @@ def group_sites(function: Function, groups: Sequence[tuple[str, ...]], where: Ca
         first_use = min(members, key=lambda u: order[id(u.op)])
         x = first_use.input
         assert x is not None
-        sites.append(Site(names, first_use.op, INPUT, x.shape[-1], fold_target(x, set(ops), table, rules), g,
-                          _operand(first_use)))
+        # A scale folded into x's producer reaches every reader of x inside those ops: only when the group holds
+        # all of them, and never for routed experts (x also feeds the router and the other experts).
+        readers = {use.weight for op in ops.values() for use in op_linears(op) if use.input is x}
+        fold = fold_target(x, set(ops), table, rules) if readers <= set(names) and expert is None else None
+        sites.append(Site(names, first_use.op, INPUT, x.shape[-1], fold, g, _operand(first_use), expert=expert))
     sites.sort(key=lambda s: order[id(s.op)] + (0.5 if s.kind == MLP_HIDDEN else 0))
     return sites
 
@@ -193,7 +203,7 @@ def shared_input_sites(function: Function, accept: Callable[[LinearUse], bool],
     by_input: dict[int, tuple[Value, list[LinearUse]]] = {}
     sites: list[Site] = []
     for op in function.ops:
-        declared = traits_of(op.name).linears
+        declared = declared_linears(op.name, len(op.operands))
         if not declared:
             continue
         uses = list(op_linears(op))

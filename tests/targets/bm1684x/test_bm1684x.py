@@ -518,3 +518,32 @@ def test_other_families(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoin
         assert "model.layers.0.self_attn.q_proj.bias" in names
     if kind == "llama_tied":
         assert {"model.embed_tokens.weight", "model.embed_tokens.weight.packed"} <= set(names)
+
+
+@pytest.mark.parametrize(("kind", "quant", "threshold"), [
+    ("qwen3_moe", {"scheme": "bf16"}, 0.9999),
+    ("qwen3_moe", {"scheme": "w4bf16", "group_size": 32}, 0.999),
+    ("qwen2_moe", {"scheme": "w4bf16", "group_size": 32}, 0.999),
+    ("qwen2_moe", {"scheme": "w8bf16", "group_size": 32, "symmetric": True}, 0.999),
+    ("mixtral", {"scheme": "bf16"}, 0.9999),
+])
+def test_mixture_of_experts(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint, kind: str,
+                            quant: dict[str, Any], threshold: float) -> None:
+    """top.MoE lowers to one tpu.MoE per sparse layer (BF16 or packed W4 experts; qwen2_moe with its gated shared
+    expert and a dense layer), and every function matches the host bundle of the same scheme."""
+    directory = tmp_path_factory.mktemp(f"bm_{kind}")
+    tiny_checkpoint(kind, directory / "model")
+    out = {}
+    for chip in ("host", "bm1684x"):
+        path = directory / f"{chip}_{quant['scheme']}.topq"
+        convert(recipe(directory / "model", chip, out=path, **quant), progress=False)
+        out[chip] = Bundle(path)
+    cos = function_cosines(out["bm1684x"], out["host"])
+    assert min(cos.values()) >= threshold, cos
+    counts = out["bm1684x"].meta["target_meta"]["op_counts"]
+    sparse_layers = 1 if kind == "qwen2_moe" else 2  # the tiny qwen2_moe has mlp_only_layers [1]
+    functions = 1 + 1 + 3  # prefill, prefill_kv, three decode variants per layer
+    assert counts["tpu.MoE"] == sparse_layers * functions
+    names = set(out["bm1684x"].tensor_names())
+    expert = "model.layers.0.mlp.experts.3.down_proj.weight"
+    assert (expert + ".packed" in names) == quant["scheme"].startswith("w")

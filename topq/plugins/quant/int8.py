@@ -733,6 +733,9 @@ def _linear_names(model: Any) -> frozenset[str]:
 def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any]:
     from topq.quant.calibration import CalibrationResult, calibration_windows
 
+    if any(use.linear.expert is not None for f in model.module for op in f.walk() for use in op_linears(op)):
+        raise TopqError("quant scheme int8 does not support mixture-of-experts models (routed expert linears); "
+                        "use rtn, gptq, awq or autoround")
     opts = Int8Options.from_recipe(recipe)
     linears = _linear_names(model)
     table = Path(opts.table) if opts.table else None

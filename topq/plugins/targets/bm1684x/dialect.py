@@ -17,6 +17,12 @@ Ops with a different shape from their Top counterpart:
   multiplier `[N]` i32 and rshift `[N]` i8 computed at compile time (r[n] = act_scale · w_scale[n] / out_scale ≈
   multiplier[n] · 2^-rshift[n]), bias_q `[N]` i32 in the accumulator domain; the int32 accumulator is requantized
   to int8 codes (`topq/core/int8_math.py` `requantize`) and the result is code · out_scale.
+* `tpu.MoE(x, router, expert weights…[, shared weights…, shared_expert_gate])`: top.MoE with each linear weight
+  as its float tensor (`weight_bits` 0) or its packed parts (weight, scale[, zp], as `tpu.A16MatMul`), in the
+  order gate, up, down per expert, then the shared expert's; the router and the shared expert's gate stay float.
+  It routes in f32 and runs each expert on its own tokens only (only the chosen experts' weights are read). The
+  RMSNorm feeding it writes f32 (`out_dtype`), so which experts a token gets does not depend on rounding x to
+  dtype (a near-tie would otherwise flip a whole expert); the experts read x rounded to dtype.
 * `tpu.FAttention(q, k, v[, mask][, history_k, history_v])`: with `history = S > 0` the keys are the S history rows
   followed by the new k; the history operands are the layer's KV-cache region itself (no concat copy).
 * `tpu.KVStore(x, positions)`: writes the new k or v rows into the layer's KV-cache region at row positions[0, 0]
@@ -137,6 +143,29 @@ def _a16mlp(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     return [x.with_dtype(attrs["dtype"])]
 
 
+def moe_parts(attrs: dict[str, Any]) -> int:
+    """Operands per linear weight of a tpu.MoE: 1 float tensor, or the packed weight, scale (and zero point)."""
+    if not attrs.get("weight_bits"):
+        return 1
+    return 2 if attrs.get("symmetric", False) else 3
+
+
+def _moe(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, router, *rest = _tensors(types)
+    experts, per, shared = attrs["num_experts"], moe_parts(attrs), attrs.get("shared", False)
+    want = 2 + 3 * per * (experts + shared) + shared
+    if len(types) != want:
+        raise InferError(f"MoE with {experts} experts, {per} tensors per weight, shared={shared} takes {want} "
+                         f"operands, got {len(types)}")
+    if router.shape != (experts, x.shape[-1]):
+        raise InferError(f"MoE router {list(router.shape)} does not fit {experts} experts of hidden {x.shape[-1]}")
+    if per > 1:
+        for i in range(0, 3 * per * (experts + shared), per):
+            part = rest[i:i + per]
+            _check_quant_weight(part[0], part[1], part[2] if per == 3 else None, attrs)
+    return [x.with_dtype(attrs["dtype"])]
+
+
 def _fattention(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     q, k, _, *rest = _tensors(types)
     history = attrs.get("history", 0)
@@ -178,7 +207,8 @@ def _tpu(name: str, operands: int | tuple[int, int | None], infer: Callable[...,
 _tpu("Weight", 0, None, {"name": A("str")}, dtype=False,
      doc="a tensor of the bundle, at `addr` in the coefficient region")
 _tpu("Gather", 2, _typed(top._gather), {"axis": A("int", 0)})
-_tpu("RMSNorm", (1, 2), _typed(top._norm), {"eps": A("float", 1e-6)}, doc="f32 statistics")
+_tpu("RMSNorm", (1, 2), _typed(top._norm), {"eps": A("float", 1e-6), "out_dtype": OUT_DTYPE},
+     doc="f32 statistics; out_dtype f32 when it feeds a tpu.MoE (routing on the unrounded values)")
 _tpu("LayerNorm", (1, 3), _typed(top._norm), {"eps": A("float", 1e-5)}, doc="f32 statistics")
 _tpu("MatMul", (2, 3), _typed(top._matmul), {"right_transpose": A("bool", False), "out_dtype": OUT_DTYPE})
 _tpu("MatMulInt8", (3, 5), _matmul_int8, {"act_scale": A("float", 0.0), "dynamic": A("bool", False),
@@ -189,6 +219,12 @@ _tpu("A16MatMul", (3, 5), _a16matmul, {**QUANT, "has_bias": A("bool", False), "o
 _tpu("MLP", 4, _typed(top._mlp), {"act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))},
      doc="gate/up/down matmuls; gate, up, act and act*up rounded to dtype; the activation in f32")
 _tpu("A16MLP", (7, 10), _a16mlp, {**QUANT, "act": A("str", "silu", ("silu", "gelu", "gelu_tanh"))})
+_tpu("MoE", (5, None), _moe, {
+    "num_experts": A("int"), "top_k": A("int"), "scoring": A("str", "softmax", ("softmax", "sigmoid")),
+    "norm_topk_prob": A("bool", False), "act": A("str", "silu", ("silu", "gelu", "gelu_tanh")),
+    "shared": A("bool", False), "weight_bits": A("int", 0, (0, 4, 8)), "group_size": A("int", 0),
+    "symmetric": A("bool", False)},
+    doc="routing in f32; each chosen expert's MLP (rounded as tpu.MLP) on its tokens, weighted and summed in f32")
 _tpu("Add", 2, _typed(top._elementwise))
 _tpu("Mul", 2, _typed(top._elementwise))
 _tpu("MulConst", 1, _typed(top._same), {"const_val": A("float")})

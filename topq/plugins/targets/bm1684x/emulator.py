@@ -49,6 +49,7 @@ from topq.plugins.targets.bm1684x import (
     dialect,  # noqa: F401  (registers the tpu ops)
     raw,
 )
+from topq.plugins.targets.bm1684x.dialect import moe_parts
 from topq.plugins.targets.bm1684x.kernels import KERNELS, rnd, visible_history
 from topq.plugins.targets.bm1684x.layer_group import VIEW_OPS, is_weight, root
 from topq.plugins.targets.bm1684x.memory import value_name
@@ -573,6 +574,9 @@ class _Planner:
         elif op.name in ("tpu.MLP", "tpu.A16MLP"):
             kernel = KERNELS[op.name]
             readers = [self.reader(operands[0])] + [self._const(w) for w in self._mlp_weights(op, attrs)]
+        elif op.name == "tpu.MoE":
+            kernel = KERNELS[op.name]
+            readers = [self.reader(operands[0])] + [self._const(w) for w in self._moe_weights(op, attrs)]
         elif op.name == "tpu.Gather":
             kernel = KERNELS[op.name]
             readers = [self.reader(operands[0], raw=True), self.reader(operands[1])]
@@ -593,28 +597,37 @@ class _Planner:
 
     def _mlp_weights(self, op: Operation, attrs: dict[str, Any]) -> list[np.ndarray]:
         """[gate; up] stacked (one GEMM for both) and down, decoded once per bundle load."""
+        per = 1 if op.name == "tpu.MLP" else (2 if attrs.get("symmetric") else 3)
+        return self._gated_weights(list(op.operands[1:]), per, attrs)
+
+    def _gated_weights(self, weights: list[Value], per: int, attrs: dict[str, Any]) -> list[np.ndarray]:
+        """A gated MLP's weights (gate, up, down; each 1 float tensor or `per` packed parts) as [gate; up] and down."""
         emu = self.emu
-        weights = op.operands[1:]
-        if op.name == "tpu.MLP":
-            parts = [[w] for w in weights]
+        parts = [list(weights[i * per:(i + 1) * per]) for i in range(3)]
 
-            def decode(p: list[Value]) -> np.ndarray:
-                return emu.float_weight(p[0])
-        else:
-            per = 2 if attrs.get("symmetric") else 3
-            parts = [list(weights[i * per:(i + 1) * per]) for i in range(3)]
-
-            def decode(p: list[Value]) -> np.ndarray:
-                return emu.quant_weight(p, attrs)
+        def decode(p: list[Value]) -> np.ndarray:
+            return emu.float_weight(p[0]) if per == 1 else emu.quant_weight(p, attrs)
         key = ("gu",) + tuple(p[0].owner.attrs["addr"] for p in parts[:2])  # type: ignore[union-attr]
 
         def stack() -> np.ndarray:
             gate_up = np.concatenate([decode(parts[0]), decode(parts[1])], axis=0)
             for p in parts[:2]:  # only the stack is needed from now on
-                emu._decoded.pop(("q" if op.name == "tpu.A16MLP" else "f", p[0].owner.attrs["addr"]), None)  # type: ignore[union-attr]
+                emu._decoded.pop(("f" if per == 1 else "q", p[0].owner.attrs["addr"]), None)  # type: ignore[union-attr]
             return gate_up
 
         return [emu._stacked(key, stack), decode(parts[2])]
+
+    def _moe_weights(self, op: Operation, attrs: dict[str, Any]) -> list[np.ndarray]:
+        """The router, then [gate; up] and down of each expert (and of the shared expert, then its gate)."""
+        per = moe_parts(attrs)
+        experts, shared = int(attrs["num_experts"]), bool(attrs.get("shared"))
+        weights = list(op.operands[2:])
+        out = [self.emu.float_weight(op.operands[1])]
+        for e in range(experts + shared):
+            out += self._gated_weights(weights[3 * per * e:3 * per * (e + 1)], per, attrs)
+        if shared:
+            out.append(self.emu.float_weight(weights[-1]))
+        return out
 
     def _static_checks(self) -> None:
         """Addresses a checker can reject without running: misaligned, or outside their region."""

@@ -100,6 +100,29 @@ def mlp(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     return [linear(rnd(h, dtype), down)]
 
 
+def moe(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    """top.MoE: args x, router [E, H], ([gate; up] [2I, H], down [H, I]) per expert, then the shared expert's pair
+    and its gate [1, H] when `shared`. Routing in f32 on the stored x; each chosen expert runs the fused MLP
+    kernel on its own tokens (only those experts' weights are read); the weighted sum accumulates in f32."""
+    from topq.ir.reference_ops import moe_expert_tokens, moe_routing
+
+    x, router = args[0], args[1]
+    experts, shared = int(attrs["num_experts"]), bool(attrs.get("shared", False))
+    x2 = x.reshape(-1, x.shape[-1])
+    chosen, weights = moe_routing(x2, router, int(attrs["top_k"]), str(attrs.get("scoring", "softmax")),
+                                  bool(attrs.get("norm_topk_prob", False)))
+    x2 = rnd(x2, attrs["dtype"])  # routing read x as given (f32 from the norm); the experts' MACs take dtype
+    out = np.zeros(x2.shape, dtype=F32)
+    for e in np.unique(chosen):
+        tokens, w = moe_expert_tokens(chosen, weights, int(e))
+        gate_up, down = args[2 + 2 * int(e)], args[3 + 2 * int(e)]
+        out[tokens] += mlp([x2[tokens], gate_up, down], attrs)[0] * w[:, None]
+    if shared:
+        gate_up, down, gate = args[2 + 2 * experts:5 + 2 * experts]
+        out += (F32(1) / (F32(1) + np.exp(-linear(x2, gate)))) * mlp([x2, gate_up, down], attrs)[0]
+    return [out.reshape(x.shape)]
+
+
 def gather(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
     """Row gather straight from the table's DDR view (only the gathered rows are converted)."""
     table, idx = args
@@ -225,6 +248,7 @@ KERNELS: dict[str, Any] = {
     "tpu.MatMulInt8": matmul_int8,
     "tpu.MLP": mlp,
     "tpu.A16MLP": mlp,
+    "tpu.MoE": moe,
     "tpu.FAttention": fattention,
     "tpu.Cast": cast,
     "tpu.RMSNorm": rmsnorm,

@@ -10,7 +10,8 @@ The local-memory model (an approximation of TPU-MLIR's LmemAllocator, stated so 
   intermediates, flash-attention blocks);
 * one bank per lane is reserved so a result never shares a bank with the operands being read;
 * ops that touch DDR by address or index (Gather, FAttention on the KV cache, KVStore, Permute, Concat, Slice,
-  TopK) form groups of their own, as global ops do in TPU-MLIR.
+  TopK, MoE — it gathers each expert's tokens) form groups of their own, as global ops do in TPU-MLIR; a MoE
+  streams the router and one expert's weights at a time.
 
 An op that does not fit alone is tiled: sequence slices (rows) first when it has more than one row, then output
 channel slices, the smallest total number of slices that fits; its `tiling = [seq, channel]` is recorded and it
@@ -30,7 +31,7 @@ from topq.plugins.targets.bm1684x import raw
 from topq.plugins.targets.bm1684x.spec import ChipSpec
 
 GLOBAL_OPS = frozenset({"tpu.Gather", "tpu.FAttention", "tpu.KVStore", "tpu.Permute", "tpu.Concat", "tpu.Slice",
-                        "tpu.TopK"})
+                        "tpu.TopK", "tpu.MoE"})
 VIEW_OPS = frozenset({"tpu.Reshape"})
 WEIGHT_OPS = frozenset({"tpu.MatMul", "tpu.A16MatMul", "tpu.MatMulInt8", "tpu.MLP", "tpu.A16MLP"})
 #: keys of the flash-attention model's K/V blocks
@@ -101,6 +102,9 @@ class LocalMemory:
         """Weight bytes streamed through local memory (a gather fetches only its rows: counted as its result)."""
         if op.name == "tpu.Gather":
             return 0
+        if op.name == "tpu.MoE":  # the router, then one expert at a time
+            per = 3 * (1 if not op.attrs.get("weight_bits") else 2 if op.attrs.get("symmetric") else 3)
+            return sum(_nbytes(v) for v in op.operands[1:2 + per])
         return sum(_nbytes(v) for v in op.operands if is_weight(v))
 
     def scratch(self, op: Operation, seq: int, ch: int) -> int:

@@ -14,6 +14,9 @@ Choices (those of BM1684X's compiler for LLMs):
   rshift[, bias_q])`: the per-channel i32 multipliers, the i8 right shifts and the i32 bias are bundle tensors
   computed here from act_scale, out_scale and the w_scale / bias weights (`int8_math.requant_params`,
   `quantize_bias`), as TPU-MLIR's BM1684X MatMul LoweringINT8 does; w_scale itself is then not shipped;
+* `top.MoE` becomes `tpu.MoE` with every expert (and shared-expert) linear float or all packed alike (one
+  kernel configuration); its router and the shared expert's [1, H] gate stay float; the RMSNorm feeding it
+  writes f32 so that routing sees the unrounded values;
 * `top.Concat(history, new)` feeding `top.FAttention` disappears: the attention reads the history straight from
   the layer's KV-cache region and `tpu.KVStore` writes the new rows into it (no copy of the cache per call).
 """
@@ -120,6 +123,7 @@ class Lowering:
         table["top.MatMul"] = [self._matmul]
         table["top.MatMulInt8"] = [self._matmul_int8]
         table["top.MLP"] = [self._mlp]
+        table["top.MoE"] = [self._moe]
         table["top.FAttention"] = [self._fattention]
         table["top.DSLRegion"] = [raw.lowering_pattern(self.dtype)]
         return table
@@ -299,6 +303,34 @@ class Lowering:
             a = b.op("tpu.GELU", gate, approximate="tanh" if act == "gelu_tanh" else "none", dtype=self.dtype)
         h = b.op("tpu.Mul", a, up, dtype=self.dtype)
         rw.replace(op, [self._linear(b, h, weights[2], [], f"{op.loc}.down")])
+        return True
+
+    def _moe(self, op: Operation, rw: Rewriter) -> bool:
+        x, router, *weights = op.operands
+        b = rw.builder
+        experts = int(op.attrs["num_experts"])
+        shared = len(weights) == 3 * experts + 4
+        linears, gate = (weights[:-1], weights[-1:]) if shared else (weights, [])
+        quants = [self.quantized(weight_source(w)) for w in linears]
+        keys = {(q.bits, q.group_size, q.symmetric) if q is not None else None for q in quants}
+        if len(keys) != 1:
+            raise TopqError(f"bm1684x: {op.loc or 'top.MoE'} has experts stored differently ({sorted(map(str, keys))}"
+                            "); every expert linear must be float or quantized alike")
+        q = quants[0]
+        attrs: dict[str, Any] = {key: op.attrs[key] for key in ("num_experts", "top_k", "scoring", "norm_topk_prob",
+                                                                "act") if key in op.attrs}
+        attrs.update(shared=shared, dtype=self.dtype)
+        if q is None:
+            parts = list(linears)
+        else:
+            parts = [v for w, qw in zip(linears, quants) for v in self.packed_weight(b, weight_source(w), qw)]  # type: ignore[arg-type]
+            attrs.update(weight_bits=q.bits, group_size=q.group_size, symmetric=q.symmetric)
+        norm = x.owner
+        if isinstance(norm, Operation) and norm.name == "tpu.RMSNorm" and self.dtype != "f32":
+            # route on the norm's f32 result: a token's expert choice must not hinge on rounding x to dtype
+            norm.attrs["out_dtype"] = "f32"
+            x.type = x.type.with_dtype("f32")  # type: ignore[union-attr]
+        rw.replace(op, [b.op("tpu.MoE", x, router, *parts, *gate, **attrs, loc=op.loc)])
         return True
 
     def _fattention(self, op: Operation, rw: Rewriter) -> bool:

@@ -155,7 +155,7 @@ SCORE_OPS = 7  # attention, per score element in f32: scale, mask add, max, subt
 SOFTCAP_OPS = 6  # per score element: divide, tanh (4), multiply
 MLP_ACT_OPS = {"silu": 4, "gelu": 8, "gelu_tanh": 8}  # + 1 for the gate × up multiply
 VIEW_OPS = frozenset({"Input", "Weight", "Reshape", "Concat", "Slice"})  # no data movement of their own
-ANCHOR_OPS = frozenset({"MatMul", "MLP", "FAttention"})  # each starts its own layer group
+ANCHOR_OPS = frozenset({"MatMul", "MLP", "MoE", "FAttention"})  # each starts its own layer group
 
 
 # ------------------------------------------------------------------------------------------ per-op cost
@@ -324,6 +324,50 @@ class _Estimator:
         c.vector_s += self.vector_s(rows * inter * act_ops, self.mode.act_bytes)
         c.bytes_per_core += self.act(x, split=False) + self.act(op.results[0])
         return c
+
+    def _cost_MoE(self, op: Operation) -> _Cost:
+        """Router (a float linear), then each token's top_k experts: compute for rows × top_k expert MLPs, weights
+        streamed only for the experts some token chose — top_k for one decode token; for `rows` tokens the
+        expected number of distinct experts under uniform routing, E·(1 − (1 − top_k/E)^rows). A shared expert
+        (and its [1, H] gate) runs on every token."""
+        x, router = op.operands[:2]
+        experts, top_k = int(op.attrs["num_experts"]), int(op.attrs["top_k"])
+        hidden = x.shape[-1]
+        inter = op.operands[2].shape[0]
+        rows = self.numel(x) // hidden
+        active = top_k if rows == 1 else experts * (1 - (1 - top_k / experts) ** rows)
+        act_ops = MLP_ACT_OPS.get(str(op.attrs.get("act", "silu")), 4) + 1
+        c = self._float_linear(rows, experts, hidden)
+        c.vector_s += self.vector_s(rows * experts * VECTOR_OPS["Softmax"], 4)
+        self._add_gated_mlp(c, rows * top_k, inter, hidden, streams=active)
+        c.vector_s += self.vector_s(rows * top_k * (inter * act_ops + hidden), self.mode.act_bytes)
+        if len(op.operands) > 2 + 3 * experts:  # the shared expert and its gate
+            shared = op.operands[-4].shape[0]
+            self._add_gated_mlp(c, rows, shared, hidden, streams=1)
+            gate = self._float_linear(rows, 1, hidden)
+            c.flops += gate.flops
+            c.cube_s += gate.cube_s
+            c.bytes_per_core += gate.bytes_per_core
+            c.vector_s += self.vector_s(rows * (shared * act_ops + 2 * hidden), self.mode.act_bytes)
+        c.bytes_per_core += self.act(x, split=False) + self.act(op.results[0])
+        return c
+
+    def _add_gated_mlp(self, c: _Cost, rows: int, inter: int, hidden: int, streams: float) -> None:
+        """Add gate, up and down of an expert MLP computed for `rows` tokens, its weights streamed `streams` times
+        (the number of distinct experts read, each with its own weights and dequantisation)."""
+        for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
+            part = self._linear(rows, n, k)
+            c.flops += part.flops
+            c.cube_s += part.cube_s
+            c.vector_s += part.vector_s * streams
+            c.bytes_per_core += part.bytes_per_core * streams
+
+    def _float_linear(self, rows: int, n: int, k: int) -> _Cost:
+        """[rows, K] @ W[N, K]ᵀ with W kept in the activation dtype (a router: never quantized)."""
+        flops = 2.0 * rows * k * n
+        compute = "bf16" if self.mode.compute == "int8" else self.mode.compute
+        return _Cost(flops, self.cube_s(flops, compute, self.cal.cube_eff), 0.0,
+                     self.transfer(n * k * self.mode.act_bytes))
 
     def _cost_FAttention(self, op: Operation) -> _Cost:
         q, k, v, *mask = op.operands
@@ -574,9 +618,22 @@ def _weight_bytes(spec: ModelSpec, mode: QuantMode, head: QuantMode) -> float:
     """Linear weights one decode step streams (the embedding reads one row: not counted here)."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_heads * d, spec.num_kv_heads * d
-    per_layer = (mode.weight_bytes(q, h) + 2 * mode.weight_bytes(kv, h) + mode.weight_bytes(h, q)
-                 + 2 * mode.weight_bytes(spec.intermediate_size, h) + mode.weight_bytes(h, spec.intermediate_size))
-    return spec.num_layers * per_layer + head.weight_bytes(spec.vocab_size, h)
+    attention = mode.weight_bytes(q, h) + 2 * mode.weight_bytes(kv, h) + mode.weight_bytes(h, q)
+
+    def mlp(inter: int) -> float:
+        return 2 * mode.weight_bytes(inter, h) + mode.weight_bytes(h, inter)
+
+    moe = spec.moe
+    total = 0.0
+    for layer in range(spec.num_layers):
+        if moe is None or not moe.sparse(layer):
+            total += attention + mlp(spec.intermediate_size)
+            continue
+        # a sparse layer: the float router, the top_k chosen experts, the shared expert and its float gate
+        total += attention + moe.num_experts * h * mode.act_bytes + moe.top_k * mlp(moe.intermediate_size)
+        if moe.shared_intermediate_size:
+            total += mlp(moe.shared_intermediate_size) + h * mode.act_bytes
+    return total + head.weight_bytes(spec.vocab_size, h)
 
 
 # ------------------------------------------------------------------------------------------ entry point

@@ -1,0 +1,55 @@
+"""Qwen2-MoE: the Qwen2 decoder (q/k/v bias) with sparse experts plus a sigmoid-gated shared expert."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import topq
+from topq.core.family import ModelFamily, ModelSpec
+from topq.core.hookspecs import Register
+from topq.core.stages import BlockContext
+from topq.ir.graph import Value
+from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models.moe import QWEN_MOE_FIELDS, ExpertNames, moe_feed_forward, read_moe
+
+EXPERTS = ExpertNames(router="model.layers.{i}.mlp.gate.weight",
+                      gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                      up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+                      down="model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+                      shared_gate="model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+                      shared_up="model.layers.{i}.mlp.shared_expert.up_proj.weight",
+                      shared_down="model.layers.{i}.mlp.shared_expert.down_proj.weight",
+                      shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate.weight")
+
+
+def normalize(config: Mapping[str, Any]) -> ModelSpec:
+    # q/k/v biases: `qkv_bias` in newer configs, always on in older ones.
+    spec = normalize_llama_like(config, "qwen2_moe", QWEN_MOE_FIELDS,
+                                attention_bias=bool(config.get("qkv_bias", True)))
+    return replace(spec, moe=read_moe(config, "qwen2_moe", spec.num_layers, spec.intermediate_size, shared=True))
+
+
+def build_block(ctx: BlockContext) -> Value:
+    b, x = ctx.b, ctx.hidden
+    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
+    return b.top.Add(x, moe_feed_forward(ctx, ctx.rms_norm(x, "post_attention_layernorm"), EXPERTS))
+
+
+FAMILY = ModelFamily(
+    name="qwen2_moe",
+    architectures=("Qwen2MoeForCausalLM",),
+    model_types=("qwen2_moe",),
+    normalize=normalize,
+    layer_weights=DECODER_LAYER_WEIGHTS,
+    build_block=build_block,
+    quant_groups=DECODER_QUANT_GROUPS,
+    config_fields=QWEN_MOE_FIELDS,
+    description="Qwen2-MoE / Qwen1.5-MoE (q/k/v bias, top-k experts, gated shared expert)",
+)
+
+
+@topq.hookimpl
+def register_model_families(register: Register[ModelFamily]) -> None:
+    register(FAMILY)

@@ -30,11 +30,20 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
                          "original_max_position_embeddings": 16}}),
 }
 
+#: hybrid linear-attention kinds (Gated DeltaNet layers, full attention every 2nd layer): their recurrent layers
+#: have no decode variants, so they are not among the KINDS every KV-cache host test runs.
+LINEAR_ATTENTION: dict[str, Any] = dict(
+    head_dim=32, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+HYBRID_KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", LINEAR_ATTENTION),
+}
+
 
 def build_tiny(kind: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
                overrides: dict[str, Any] | None = None) -> Any:
     """Create, save (safetensors) and return a tiny random model of `kind` in eval mode."""
-    config_cls, model_cls, kind_overrides = KINDS[kind]
+    config_cls, model_cls, kind_overrides = {**KINDS, **HYBRID_KINDS}[kind]
     config = getattr(transformers, config_cls)(**{**COMMON, **kind_overrides, **(overrides or {})})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

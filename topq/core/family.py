@@ -21,6 +21,16 @@ if TYPE_CHECKING:
     from topq.core.stages import BlockContext
 
 @dataclass(frozen=True)
+class LayerState:
+    """A tensor a recurrent layer carries between calls instead of KV: its name and shape (batch 1), always f32.
+    Prefill returns it after the prompt; prefill-with-history and decode take the previous one and return the
+    next."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """What a family plugin registers.
 
@@ -30,6 +40,10 @@ class ModelFamily:
     them otherwise (fused, transformed: `topq.models.weightmap.weight_map` builds one from declarative rules);
     None reads every name as is. `quant_groups` lists the linears that share an input (AWQ scales
     them together). `build_block(ctx)` builds one transformer block.
+
+    `layer_states(spec, layer)` says what a layer carries from one call to the next: () (or no function) is a
+    KV cache (the block calls `ctx.attention`); `LayerState`s are a recurrent layer's tensors (a linear-attention
+    conv window and state), which the block reads with `ctx.state_in` and returns with `ctx.carry`.
     """
 
     name: str
@@ -48,6 +62,11 @@ class ModelFamily:
     quant_groups: tuple[tuple[str, ...], ...] = ()
     description: str = ""
     map_weights: Callable[[ModelSpec, WeightStore], WeightStore] | None = None
+    layer_states: Callable[[ModelSpec, int], tuple[LayerState, ...]] | None = None
+
+    def states_of(self, spec: ModelSpec, layer: int) -> tuple[LayerState, ...]:
+        """What `layer` carries instead of KV; () for a KV layer."""
+        return () if self.layer_states is None else tuple(self.layer_states(spec, layer))
 
     def weights(self, spec: ModelSpec, store: WeightStore) -> WeightStore:
         """The checkpoint's tensors under the names the Top IR reads (`store` itself when the family maps

@@ -40,6 +40,10 @@ class ModelSpec:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: per layer, its token mixer when a model mixes kinds (hybrid linear attention); () for all attention
+    layer_types: tuple[str, ...] = ()
+    #: a linear-attention layer's sizes: key_heads, value_heads, key_head_dim, value_head_dim, conv_kernel
+    linear_attention: dict[str, int] | None = None
 
     #: sizes the graph divides by or allocates: a config giving 0, a negative or a non-integer is refused here
     POSITIVE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -62,6 +66,10 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if not self.layer_types and self.linear_attention is None:
+            del d["layer_types"], d["linear_attention"]  # bundles of other models stay as they were
+        else:
+            d["layer_types"] = list(self.layer_types)
         return d
 
     @classmethod
@@ -72,4 +80,5 @@ class ModelSpec:
             raise TopqError(f"model spec has unknown fields: {', '.join(sorted(unknown))}")
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)

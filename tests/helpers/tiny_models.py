@@ -37,6 +37,8 @@ LINEAR_ATTENTION: dict[str, Any] = dict(
     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)
 HYBRID_KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", LINEAR_ATTENTION),
+    # the dense variant: mlp_only_layers covers every layer (sparse MoE layers are refused)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**LINEAR_ATTENTION, "mlp_only_layers": [0, 1]}),
 }
 
 

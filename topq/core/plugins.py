@@ -32,6 +32,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.models.qwen2",
     "topq.plugins.models.qwen3",
     "topq.plugins.models.qwen3_5",
+    "topq.plugins.models.qwen3_next",
     "topq.plugins.quant.float_modes",
     "topq.plugins.quant.auto",
     "topq.plugins.quant.rtn",

@@ -58,6 +58,9 @@ MLP_WEIGHTS = {
     "up_proj": "model.layers.{i}.mlp.up_proj.weight",
     "down_proj": "model.layers.{i}.mlp.down_proj.weight",
 }
+#: linears that share an input (AWQ scales each group together); a layer has the groups of its kind
+QUANT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                ("out_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 #: the norms computed as x̂ · (1 + w) (the gated norm of the linear layers uses w as is)
 ZERO_CENTERED_NORMS = ("model.norm.weight", NORM_WEIGHTS["input_layernorm"],
                        NORM_WEIGHTS["post_attention_layernorm"], ATTENTION_WEIGHTS["q_norm"],

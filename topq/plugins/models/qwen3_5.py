@@ -34,8 +34,7 @@ FAMILY = ModelFamily(
     build_block=gdn.build_block,
     map_weights=weight_map(gdn.zero_centered_norm_rules()),
     layer_states=gdn.layer_states,
-    quant_groups=(("q_proj", "k_proj", "v_proj"), ("o_proj",), ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-                  ("out_proj",), ("gate_proj", "up_proj"), ("down_proj",)),
+    quant_groups=gdn.QUANT_GROUPS,
     description="Qwen3.5 text (Gated DeltaNet + gated attention)",
 )
 

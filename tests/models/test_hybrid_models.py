@@ -143,7 +143,15 @@ def test_w4bf16_runs_close_to_float(tiny_host: TinyFactory, kind: str, tmp_path:
     reference = hf_logits(case.model, ids)
     assert np.isfinite(quantized).all()
     cos = float((quantized * reference).sum() / np.linalg.norm(quantized) / np.linalg.norm(reference))
-    assert 0.95 <= cos < 0.999999, cos  # quantized (not the float model), but the same model
+    # a random tiny model at 4 bits: the dense qwen3 tiny model gives 0.97 here, these 0.94..0.96
+    assert 0.9 <= cos < 0.9999, cos
+    bundle = Bundle(out)
+    for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.out_proj.weight",
+                 "model.layers.1.self_attn.q_proj.weight"):  # the linear layers' linears are quantized too
+        groups = bundle.tensor(name).astype(np.float32).reshape(-1, 16)
+        assert max(len(np.unique(g)) for g in groups) <= 16, name
+    conv = bundle.tensor("model.layers.0.linear_attn.conv1d.weight").astype(np.float32)
+    assert len(np.unique(conv)) > 16  # not a linear: kept
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -59,6 +59,24 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, dtype: torch.dtype = t
     return model.float()
 
 
+def build_tiny_qwen3_5_multimodal(directory: Path, seed: int = 0) -> Any:
+    """A tiny random Qwen3_5ForConditionalGeneration (the published checkpoints' layout: a vision tower beside the
+    text model), saved and returned in eval mode."""
+    text = {k: v for k, v in COMMON.items() if k not in ("initializer_range",)}
+    config = transformers.Qwen3_5Config(
+        text_config={**text, **LINEAR_ATTENTION}, initializer_range=COMMON["initializer_range"],
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=4, temporal_patch_size=1))
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
+
+
 def prompt(n: int, seed: int = 0) -> list[int]:
     """n token ids, avoiding the special ids 0..2 so nothing is treated as padding or end of text."""
     import numpy as np

@@ -63,6 +63,7 @@ class ModelFamily:
     description: str = ""
     map_weights: Callable[[ModelSpec, WeightStore], WeightStore] | None = None
     layer_states: Callable[[ModelSpec, int], tuple[LayerState, ...]] | None = None
+    conversion_note: Callable[[Mapping[str, Any]], str | None] | None = None
 
     def states_of(self, spec: ModelSpec, layer: int) -> tuple[LayerState, ...]:
         """What `layer` carries instead of KV; () for a KV layer."""

@@ -347,6 +347,9 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
                         (plugins.schemes.get(recipe.quant.scheme), plugins.schemes.get(recipe.quant.lm_head)))
     prepared = prepare(recipe, dump_dir, runner)
     phases.mark("prepare")
+    note = prepared.model.family.conversion_note
+    if note is not None and (text := note(prepared.model.checkpoint.config)):
+        print(f"note: {text}", file=sys.stderr)
     runner.refresh()  # workers forked during calibration predate the prepared program: units need fresh ones
     model, compiled = prepared.model, prepared.compiled
     stages = StageConfig.from_recipe(recipe.stages)

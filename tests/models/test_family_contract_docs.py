@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from topq.core.family import ModelFamily
-from topq.models.weightmap import AddScalar, Rows, Stack
+from topq.models.weightmap import AddScalar, GroupedRows, Rows, Stack
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 
@@ -30,7 +30,7 @@ def test_every_model_family_field_has_a_row() -> None:
 
 def test_every_weight_rule_and_its_fields_are_documented() -> None:
     docs = section("Weight mapping (fused projections, `1 + w` norms, stacked experts)")
-    for rule in (Rows, AddScalar, Stack):
+    for rule in (Rows, AddScalar, Stack, GroupedRows):
         names = [f.name for f in dataclasses.fields(rule)]
         row = next((line for line in docs.splitlines() if line.startswith(f"| `{rule.__name__}(")), None)
         assert row is not None, f"docs/plugins.md: weight rule {rule.__name__} has no row"

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from host_bundles import TinyHost, convert_host
+from host_bundles import TinyHost
 from tiny_models import HYBRID_KINDS, prompt
 
 from topq.core.bundle import Bundle

@@ -90,8 +90,8 @@ class Session:
         #: per layer: the shapes of the states it carries; () for a KV layer
         self.state_shapes: list[tuple[tuple[int, ...], ...]] = [tuple(tuple(s) for _, s in c) for c in carries]
         kv_layers = [not shapes for shapes in self.state_shapes]
-        self.k_cache = [np.zeros(shape, np.float32) if kv else None for kv in kv_layers]
-        self.v_cache = [np.zeros(shape, np.float32) if kv else None for kv in kv_layers]
+        self.k_cache: list[np.ndarray | None] = [np.zeros(shape, np.float32) if kv else None for kv in kv_layers]
+        self.v_cache: list[np.ndarray | None] = [np.zeros(shape, np.float32) if kv else None for kv in kv_layers]
         self.states: list[list[np.ndarray]] = self._zero_states()
         self._saved: dict[int, list[list[np.ndarray]]] = {}  # length → the states after it (recurrent models)
         self.tokens: list[int] = []  # what the KV cache holds
@@ -169,10 +169,16 @@ class Session:
         positions = np.minimum(np.arange(start, start + length), self.seq_length - 1).astype(np.int32)[None]
         return ids, positions
 
+    @staticmethod
+    def _kv(cache: list[np.ndarray | None], layer: int) -> np.ndarray:
+        array = cache[layer]
+        assert array is not None, f"layer {layer} carries states, not KV"
+        return array
+
     def _store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, count: int) -> None:
         start = self.length
-        self.k_cache[layer][:, start:start + count] = k[:, :count]  # type: ignore[index]
-        self.v_cache[layer][:, start:start + count] = v[:, :count]  # type: ignore[index]
+        self._kv(self.k_cache, layer)[:, start:start + count] = k[:, :count]
+        self._kv(self.v_cache, layer)[:, start:start + count] = v[:, :count]
 
     def _valid(self, count: int) -> np.ndarray:
         valid = np.zeros((1, self.max_input_length), np.float32)
@@ -209,8 +215,8 @@ class Session:
                 hidden = self._recurrent_block(f"block_kv_{layer}", layer, [hidden, positions,
                                                                              self._valid(len(chunk))])
                 continue
-            hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, mask, self.k_cache[layer],
-                                                           self.v_cache[layer]])
+            hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, mask, self._kv(self.k_cache, layer),
+                                                           self._kv(self.v_cache, layer)])
             self._store_kv(layer, k, v, len(chunk))
         self.tokens.extend(chunk)
         return hidden
@@ -238,8 +244,8 @@ class Session:
                 hidden = self._recurrent_block(f"block_cache_{layer}", layer, [hidden, positions])
                 continue
             hidden, k, v = self._run(f"block_cache_{layer}{suffix}", [
-                hidden, positions, mask, self.k_cache[layer][:, :variant],  # type: ignore[index]
-                self.v_cache[layer][:, :variant]])  # type: ignore[index]
+                hidden, positions, mask, self._kv(self.k_cache, layer)[:, :variant],
+                self._kv(self.v_cache, layer)[:, :variant]])
             self._store_kv(layer, k, v, 1)
         self.tokens.append(token)
         return hidden

@@ -136,7 +136,9 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray | None = 
     if prev.shape != (b, width, channels):
         raise TopqError(f"{op}: state {prev.shape} is not [B, K-1, C] = {(b, width, channels)}")
     window = np.concatenate([prev, x64], axis=1)  # [B, K-1+L, C]
-    y = sum(window[:, j:j + length] * w[:, 0, j] for j in range(width + 1))
+    y = np.zeros((b, length, channels))
+    for j in range(width + 1):
+        y += window[:, j:j + length] * w[:, 0, j]
     if act == "silu":
         y = y / (1.0 + np.exp(-y))
     elif act != "none":
@@ -168,12 +170,13 @@ def _gated_delta_op(chunked: bool) -> Any:
 
     def kernel(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
         _arity(op, inputs, 5, 6)
+        q, k, v, g, beta = inputs[:5]
         state = inputs[5] if len(inputs) == 6 else None
-        common = dict(qk_l2norm=bool(attrs.get("qk_l2norm", True)), scale=float(attrs["scale"]))
+        qk_l2norm, scale = bool(attrs.get("qk_l2norm", True)), float(attrs["scale"])
         if chunked:
-            return list(chunk_gated_delta_rule(*inputs[:5], state, chunk_size=int(attrs.get("chunk_size", 64)),
-                                               **common))
-        return list(recurrent_gated_delta_rule(*inputs[:5], state, **common))
+            return list(chunk_gated_delta_rule(q, k, v, g, beta, state, qk_l2norm, scale,
+                                               int(attrs.get("chunk_size", 64))))
+        return list(recurrent_gated_delta_rule(q, k, v, g, beta, state, qk_l2norm, scale))
 
     return kernel
 

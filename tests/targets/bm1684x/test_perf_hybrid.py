@@ -9,22 +9,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from data_paths import CONFIGS
 
 from topq.core import cli
 from topq.core.plugins import get_plugins
 
-#: a Qwen3.5-style hybrid at roughly 2B scale (synthetic: the structure, not a published checkpoint's numbers)
-HYBRID: dict[str, Any] = dict(
-    architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=2048, intermediate_size=6144,
-    num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256, vocab_size=248320,
-    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4, tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
-ALL_ATTENTION = {**HYBRID, "layer_types": ["full_attention"] * 24}
+#: Qwen3.5-2B's text model (tests/data/configs/qwen3.5-2b.json, from the published config): 18 Gated DeltaNet and
+#: 6 attention layers
+HYBRID: dict[str, Any] = json.loads((CONFIGS / "qwen3.5-2b.json").read_text())
+ALL_ATTENTION = {**HYBRID, "text_config": {**HYBRID["text_config"], "layer_types": ["full_attention"] * 24}}
+#: the paper's BM1684X table (W4BF16, 2K context): tokens/s
+PAPER = {"qwen3.5-2b": 30.00, "qwen3.5-4b": 16.77, "qwen3.5-9b": 9.84}
 
 
-def predict(config: dict[str, Any]) -> dict[str, Any]:
-    return get_plugins().targets.get("bm1684x").perf(config=config, quant="w4bf16", seq_length=2048)
+def predict(config: dict[str, Any], **options: Any) -> dict[str, Any]:
+    return get_plugins().targets.get("bm1684x").perf(config=config, quant="w4bf16", seq_length=2048, **options)
 
 
 def test_states_and_kv_are_counted_per_layer_kind() -> None:
@@ -61,3 +60,14 @@ def test_cli_predicts_from_a_hybrid_config(tmp_path: Path, capsys: pytest.Captur
     assert code == 0
     result = json.loads(out)
     assert math.isclose(result["decode_tps"], predict(HYBRID)["decode_tps"])
+
+
+@pytest.mark.parametrize("model", list(PAPER))
+def test_paper_table_with_the_shared_constants(model: str) -> None:
+    """The paper's Qwen3.5 rows from the published configs, lm_head bf16 (the paper's model sizes include a bf16
+    embedding/lm_head). Not fitted: the model's DDR utilisation stays at its one `ddr_eff` (63-65 % of 64 GB/s,
+    the band public BM1684X int4 decode measurements support) where the paper reports 78-83 %, so the
+    prediction is that much lower (docs/perf.md)."""
+    r = predict(json.loads((CONFIGS / f"{model}.json").read_text()), max_input_length=512)
+    assert 0.55 <= r["ddr_utilization"] <= 0.66
+    assert 0.6 <= r["decode_tps"] / PAPER[model] <= 0.8

@@ -159,3 +159,26 @@ def test_bundles_of_kv_models_keep_their_stage_metadata(tiny_host: TinyFactory, 
     assert "layer_states" not in tiny_host("llama").bundle.meta["stages"]
     assert "layer_types" not in tiny_host("llama").bundle.meta["spec"]
     assert tiny_host(kind).bundle.spec.layer_types == ("linear_attention", "full_attention")
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "awq"])
+def test_calibrated_schemes_run_through_both_layer_kinds(tiny_host: TinyFactory, scheme: str,
+                                                         tmp_path: Path) -> None:
+    """Calibration runs each layer's prefill (a recurrent one with its `valid` input) and takes the quant groups
+    of that layer's kind; at 8 bits the model stays the float model (AWQ's folded scales included)."""
+    from topq.core.pipeline import convert
+    from topq.core.recipe import recipe_from_defaults
+
+    case = tiny_host("qwen3_5")
+    ids = tmp_path / "calibration.ids"
+    ids.write_text(" ".join(map(str, prompt(256, seed=30))))
+    out = tmp_path / f"{scheme}.topq"
+    convert(recipe_from_defaults(
+        model={"path": str(case.checkpoint)}, target={"chip": "host"}, output={"path": str(out)},
+        stages={"seq_length": 64, "max_input_length": 16},
+        quant={"scheme": scheme, "bits": 8, "group_size": 16,
+               "calibration": {"data": str(ids), "samples": 4, "seq_len": 32}}), progress=False)
+    ids20 = prompt(20, seed=6)
+    got, ref = Session(Bundle(out)).feed(ids20, all_logits=True), hf_logits(case.model, ids20)
+    cos = float((got * ref).sum() / np.linalg.norm(got) / np.linalg.norm(ref))
+    assert 0.999 <= cos < 0.9999999, cos

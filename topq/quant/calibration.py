@@ -380,6 +380,9 @@ def _find_groups(function: Function, family: Any, spec: Any, layer: int) -> list
     key_of = {template.format(i=layer): key for key, template in family.layer_weights.items()}
     linears = list(dict.fromkeys(use.weight for use in linear_uses(function)))  # in order of first use
     groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in linears if n in key_of]
+    # layers of different kinds (hybrid models) have different linears: a group none of whose linears this
+    # layer has belongs to the other kind
+    groups = [g for g in groups if any(family.layer_weights[k].format(i=layer) in linears for k in g)]
     covered = {k for g in groups for k in g}
     groups += [(key_of[n],) for n in linears if n in key_of and key_of[n] not in covered]
     names = [tuple(family.layer_weights[key].format(i=layer) for key in keys) for keys in groups]
@@ -522,14 +525,16 @@ def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None
     hidden = rows if rows is not None else step.hidden[start:stop]  # type: ignore[index]
     positions = np.arange(step.source.seq_len, dtype=np.int32)[None]
     name = f"block_{step.layer}"
+    # a recurrent layer's prefill also takes `valid` (stages.py): every calibration token is real
+    valid = [np.ones((1, step.source.seq_len), np.float32)] if len(interp.module[name].args) == 3 else []
     if plan is None:
-        return [interp.run(name, [h[None], positions])[0][0] for h in hidden]
+        return [interp.run(name, [h[None], positions, *valid])[0][0] for h in hidden]
     captured = _Captured()
     interp.capture(plan, captured)  # type: ignore[arg-type]
     try:
         for h in hidden:
             try:
-                interp.run(name, [h[None], positions])
+                interp.run(name, [h[None], positions, *valid])
             except _StopLayer:
                 pass
     finally:

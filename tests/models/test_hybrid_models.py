@@ -182,3 +182,21 @@ def test_calibrated_schemes_run_through_both_layer_kinds(tiny_host: TinyFactory,
     got, ref = Session(Bundle(out)).feed(ids20, all_logits=True), hf_logits(case.model, ids20)
     cos = float((got * ref).sum() / np.linalg.norm(got) / np.linalg.norm(ref))
     assert 0.999 <= cos < 0.9999999, cos
+
+
+def test_only_the_last_feeds_states_are_kept(tiny_host: TinyFactory) -> None:
+    """Going back past the saved states feeds again from the start, still exactly."""
+    from topq.core.runtime import SAVED_STATES
+
+    case = tiny_host("qwen3_5")
+    session = Session(case.bundle)
+    turns = [prompt(3, seed=40 + i) for i in range(SAVED_STATES + 2)]
+    for turn in turns:
+        session.feed(turn)
+    assert len(session._saved) == SAVED_STATES
+    first = len(session.calls)
+    session.truncate(4)  # inside the second turn: no saved states that early
+    assert session.calls[first:].count("block_0") == 1  # fed again from a fresh prefill
+    more = prompt(5, seed=50)
+    got = session.feed(more, all_logits=True)
+    assert max_diff(got, hf_logits(case.model, (turns[0] + turns[1])[:4] + more)[-5:]) <= ATOL

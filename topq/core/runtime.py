@@ -6,8 +6,8 @@ prefill-with-history segments; decode picks the smallest variant whose history l
 The KV cache lives here as one [1, S, KVH, D] array pair per layer; `length` is how much is valid,
 so truncating the conversation is free. A recurrent layer (the bundle's `stages.layer_states`) carries its
 states instead: each call hands them to the next, and since a state cannot be cut back, the session keeps the
-states at the end of every `feed` and truncation goes back to the latest one at or before the new length and
-feeds the tokens after it again.
+states at the end of the last few `feed`s and truncation goes back to the latest one at or before the new
+length and feeds the tokens after it again.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from topq.core.plugins import get_plugins
 from topq.core.target import Executor
 
 NEG_INF = np.float32(-np.inf)
+#: recurrent models: how many feeds' states a session keeps for going back (the latest ones: a chat re-renders
+#: the last turns); older truncation points are reached by feeding again from the start
+SAVED_STATES = 4
 
 
 @dataclass
@@ -155,6 +158,8 @@ class Session:
                 outputs.append(self._logits_rows(hidden[:, len(chunk) - 1:len(chunk)], 1))
         if self.recurrent:
             self._saved[self.length] = [[a.copy() for a in layer] for layer in self.states]
+            for length in sorted(self._saved)[:-SAVED_STATES]:
+                del self._saved[length]
         logits = np.concatenate(outputs, axis=0)
         return logits if all_logits else logits[-1]
 

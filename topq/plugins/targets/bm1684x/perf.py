@@ -372,7 +372,7 @@ class _Estimator:
         _, length, heads, dv = op.operands[2].shape
         dk = op.operands[0].shape[-1]
         vector = self.vector_s(float(length * heads * dk * dv * DELTA_STEP_OPS), STATE_BYTES)
-        return _Cost(vector_s=vector, bytes_per_core=self._state_io(op) + self.io_activations(op))
+        return _Cost(vector_s=vector, bytes_per_core=self._state_io(op) + self._io_activations(op))
 
     def _cost_ChunkGatedDeltaRule(self, op: Operation) -> _Cost:
         """Per chunk of C tokens and value head: k_βkᵀ and qkᵀ (2·C²·DK each), the two unit-triangular solves
@@ -385,15 +385,15 @@ class _Estimator:
         flops = heads * chunks * (4.0 * c * c * dk + c * c * (dk + dv) + 2.0 * c * c * dv + 6.0 * c * dk * dv)
         cube = self.cube_s(flops, "f32", self.cal.attn_eff)
         vector = self.vector_s(float(heads * chunks * c * c * 4), STATE_BYTES)  # decay masks and their exp
-        return _Cost(flops, cube, vector, self._state_io(op) + self.io_activations(op))
+        return _Cost(flops, cube, vector, self._state_io(op) + self._io_activations(op))
 
     def _cost_CausalConv1d(self, op: Operation) -> _Cost:
         x, weight = op.operands[:2]
         width = weight.shape[-1]
         vector = self.vector_s(float(self.numel(x) * (2 * width + 4)), STATE_BYTES)  # taps, then SiLU
-        return _Cost(vector_s=vector, bytes_per_core=self._state_io(op) + self.io_activations(op))
+        return _Cost(vector_s=vector, bytes_per_core=self._state_io(op) + self._io_activations(op))
 
-    def io_activations(self, op: Operation) -> float:
+    def _io_activations(self, op: Operation) -> float:
         """DDR traffic of an op's non-state function inputs and results (as `io`), e.g. a prefill's valid mask."""
         index = STATE_OPERAND[_kind(op)]
         total = sum(self.act(v) for i, v in enumerate(op.operands) if id(v) in self.args and i != index)

@@ -82,3 +82,17 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     import numpy as np
 
     return np.random.default_rng(seed).integers(3, VOCAB, size=n).tolist()
+
+
+def hf_logits(model: Any, ids: list[int]) -> Any:
+    """transformers' logits [n, V] (numpy) for one full forward pass over ids."""
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def max_diff(a: Any, b: Any) -> float:
+    """The largest absolute difference of two arrays of the same shape."""
+    import numpy as np
+
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.abs(a - b).max())

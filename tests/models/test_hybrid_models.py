@@ -4,15 +4,14 @@ conversation), long prompts in segments, and the stage layout recurrent layers g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from host_bundles import TinyHost
-from tiny_models import HYBRID_KINDS, prompt
+from tiny_models import HYBRID_KINDS, hf_logits, max_diff, prompt
 
 from topq.core.bundle import Bundle
 from topq.core.runtime import Session
@@ -20,16 +19,6 @@ from topq.core.runtime import Session
 ATOL = 1e-4
 KINDS = list(HYBRID_KINDS)
 TinyFactory = Callable[..., TinyHost]
-
-
-def hf_logits(model: Any, ids: Sequence[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
-
-
-def max_diff(a: np.ndarray, b: np.ndarray) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float(np.abs(a - b).max())
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -79,3 +79,14 @@ def test_sparse_moe_layers_are_refused_naming_the_fields(tiny_host: TinyFactory,
     code, err, output = convert(capsys, tmp_path, ck)
     assert_one_error(code, err, output, "layers [1]", "num_experts = 4", "mlp_only_layers = [0]",
                      "decoder_sparse_step")
+
+
+@pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("attention_bias", True),
+                                          ("attn_output_gate", False), ("mamba_ssm_dtype", "bfloat16"),
+                                          ("linear_conv_kernel_dim", 1)])
+def test_config_fields_the_family_does_not_compute_are_refused(tiny_host: TinyFactory, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str], field: str,
+                                                               value: object) -> None:
+    ck = edited_copy(tiny_host, "qwen3_5", tmp_path, **{field: value})
+    code, err, output = convert(capsys, tmp_path, ck)
+    assert_one_error(code, err, output, field)

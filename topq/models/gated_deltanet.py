@@ -106,6 +106,20 @@ def normalize_hybrid(config: Mapping[str, Any], family: str, **overrides: Any) -
     for name, value in sizes.items():
         if value < 1:
             raise TopqError(f"{family}: linear attention {name} = {value} in the config; it must be positive")
+    if sizes["conv_kernel"] < 2:
+        raise TopqError(f"{family}: linear_conv_kernel_dim = {sizes['conv_kernel']}; the family needs at least 2")
+    # what transformers' blocks hard-wire (or take from these fields) and this family computes only one way
+    if cfg.hidden_act != "silu":
+        raise TopqError(f"{family}: hidden_act = {cfg.hidden_act!r} is not supported (the linear layers' conv and "
+                        "gated norm compute silu)")
+    if cfg.attention_bias:
+        raise TopqError(f"{family}: attention_bias = true is not supported (q/k/v/o without biases only)")
+    if config.get("attn_output_gate", True) is not True:
+        raise TopqError(f"{family}: attn_output_gate = {config.get('attn_output_gate')!r} is not supported "
+                        "(the attention output is always gated)")
+    if str(config.get("mamba_ssm_dtype", "float32")) != "float32":
+        raise TopqError(f"{family}: mamba_ssm_dtype = {config.get('mamba_ssm_dtype')!r} is not supported (the "
+                        "recurrent state is float32)")
     if sizes["value_heads"] % sizes["key_heads"]:
         raise TopqError(f"{family}: linear_num_value_heads {sizes['value_heads']} is not a multiple of "
                         f"linear_num_key_heads {sizes['key_heads']}")

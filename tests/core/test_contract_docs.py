@@ -22,7 +22,7 @@ from topq.core.quant import QuantScheme, SchemeProduct
 from topq.core.target import CompiledModel, CompileJob, Target
 from topq.io.schema import Field
 from topq.ir.extension import IRExtension
-from topq.models.weightmap import AddScalar, Rows, Stack
+from topq.models.weightmap import AddScalar, GroupedRows, Rows, Stack
 
 PLUGINS_MD = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 WEIGHT_MAPPING = "Weight mapping (fused projections, `1 + w` norms, stacked experts)"
@@ -84,7 +84,7 @@ def test_every_contract_field_has_a_table_row(contract: str) -> None:
 
 def test_every_weight_rule_shows_its_fields_with_types() -> None:
     text = section(WEIGHT_MAPPING)
-    for rule in (Rows, AddScalar, Stack):
+    for rule in (Rows, AddScalar, Stack, GroupedRows):
         names = fields_of(rule)
         row = next((line for line in text.splitlines() if line.startswith(f"| `{rule.__name__}(")), None)
         assert row is not None, f"docs/plugins.md: weight rule {rule.__name__} has no row"

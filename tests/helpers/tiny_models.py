@@ -58,11 +58,22 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": None}),
 }
 
+#: hybrid linear-attention kinds (Gated DeltaNet layers, full attention every 2nd layer): their recurrent layers
+#: have no decode variants, so they are not among the KINDS every KV-cache host test runs.
+LINEAR_ATTENTION: dict[str, Any] = dict(
+    head_dim=32, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+HYBRID_KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", LINEAR_ATTENTION),
+    # the dense variant: mlp_only_layers covers every layer (sparse MoE layers are refused)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**LINEAR_ATTENTION, "mlp_only_layers": [0, 1]}),
+}
+
 
 def build_tiny(kind: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
                overrides: dict[str, Any] | None = None) -> Any:
     """Create, save (safetensors) and return a tiny random model of `kind` in eval mode."""
-    config_cls, model_cls, kind_overrides = KINDS[kind]
+    config_cls, model_cls, kind_overrides = {**KINDS, **HYBRID_KINDS}[kind]
     config = getattr(transformers, config_cls)(**{**COMMON, **kind_overrides, **(overrides or {})})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
@@ -74,6 +85,24 @@ def build_tiny(kind: str, directory: Path, seed: int = 0, dtype: torch.dtype = t
                 param.normal_(0, 0.1)
     model.to(dtype).save_pretrained(directory, safe_serialization=True)
     return model.float()
+
+
+def build_tiny_qwen3_5_multimodal(directory: Path, seed: int = 0) -> Any:
+    """A tiny random Qwen3_5ForConditionalGeneration (the published checkpoints' layout: a vision tower beside the
+    text model), saved and returned in eval mode."""
+    text = {k: v for k, v in COMMON.items() if k not in ("initializer_range",)}
+    config = transformers.Qwen3_5Config(
+        text_config={**text, **LINEAR_ATTENTION}, initializer_range=COMMON["initializer_range"],
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=4, temporal_patch_size=1))
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
+    return model
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -96,3 +125,17 @@ def build_unrouted_moe(directory: Path, seed: int = 0) -> Any:
             rows.copy_(torch.stack([a, a, -a, -a, torch.zeros_like(a)]))
     model.save_pretrained(directory, safe_serialization=True)
     return model
+
+
+def hf_logits(model: Any, ids: list[int]) -> Any:
+    """transformers' logits [n, V] (numpy) for one full forward pass over ids."""
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
+
+
+def max_diff(a: Any, b: Any) -> float:
+    """The largest absolute difference of two arrays of the same shape."""
+    import numpy as np
+
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.abs(a - b).max())

@@ -54,7 +54,8 @@ def test_traits_classify_ops() -> None:
     assert traits_of("top.MatMul").linears[0].layout_attr == "right_transpose"
     assert traits_of("top.MatMulInt8").linears == ()  # already quantized: no weight-quantization site
     assert {n for n in CATALOGUE if n.startswith("top.") and traits_of(n).elementwise} == {
-        "top.Add", "top.Mul", "top.MulConst", "top.SiLU", "top.Tanh", "top.GELU"}
+        "top.Add", "top.Mul", "top.MulConst", "top.SiLU", "top.Tanh", "top.GELU", "top.Sigmoid", "top.Softplus",
+        "top.Exp"}
     assert {n for n in CATALOGUE if n.startswith("top.") and traits_of(n).view} == {
         "top.Reshape", "top.Permute", "top.Slice", "top.Concat"}
     assert (traits_of("top.LayerNorm").norm_scale, traits_of("top.LayerNorm").norm_bias) == (1, 2)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_models import COMMON, KINDS, prompt
+from tiny_models import COMMON, HYBRID_KINDS, KINDS, prompt
 
 from topq.core.checkpoint import normalize_rope
 from topq.core.errors import TopqError
@@ -29,15 +29,24 @@ from topq.models.fields import NUMERIC_FIELDS
 #: built-in family → the tiny kind whose transformers config it is checked with
 FAMILY_KINDS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                 "gemma3": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-                "mixtral": "mixtral"}
+                "mixtral": "mixtral", "qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next"}
 
 
 def hf_config(kind: str, **overrides: Any) -> dict[str, Any]:
     """The config.json transformers writes for the tiny model of `kind`, as topq's checkpoint reader sees it."""
-    config_cls, model_cls, kind_overrides = KINDS[kind]
+    config_cls, model_cls, kind_overrides = {**KINDS, **HYBRID_KINDS}[kind]
     config = getattr(transformers, config_cls)(**{**COMMON, **kind_overrides}).to_dict()
     config["architectures"] = [model_cls]
     return normalize_rope({**config, **overrides})
+
+
+def test_every_built_in_family_is_checked() -> None:
+    import importlib
+
+    from topq.core.plugins import BUILTIN_PLUGINS
+
+    modules = [importlib.import_module(m) for m in BUILTIN_PLUGINS if m.startswith("topq.plugins.models.")]
+    assert set(FAMILY_KINDS) == {module.FAMILY.name for module in modules}
 
 
 @pytest.mark.parametrize("family_name", list(FAMILY_KINDS))

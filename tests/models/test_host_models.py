@@ -11,13 +11,12 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from host_bundles import TinyHost
-from tiny_models import KINDS, VOCAB, prompt
+from tiny_models import KINDS, VOCAB, hf_logits, max_diff, prompt
 
 from topq.core import cli
 from topq.core.runtime import Session
@@ -29,17 +28,6 @@ PREFILL_KV_RE = re.compile(r"block_kv_\d+")
 DECODE_RE = re.compile(r"block_cache_\d+(_\d+)?")
 
 TinyFactory = Callable[..., TinyHost]
-
-
-def hf_logits(model: Any, ids: Sequence[int]) -> np.ndarray:
-    """transformers' logits [n, V] for one full forward pass over ids."""
-    with torch.no_grad():
-        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
-
-
-def max_diff(a: np.ndarray, b: np.ndarray) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float(np.abs(a - b).max())
 
 
 def count(calls: Sequence[str], pattern: re.Pattern[str]) -> int:

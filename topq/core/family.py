@@ -26,6 +26,16 @@ if TYPE_CHECKING:
 GraphHook = Callable[["Builder", ModelSpec, "Value"], "Value"]
 
 @dataclass(frozen=True)
+class LayerState:
+    """A tensor a recurrent layer carries between calls instead of KV: its name and shape (batch 1), always f32.
+    Prefill returns it after the prompt; prefill-with-history and decode take the previous one and return the
+    next."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """What a family plugin registers.
 
@@ -38,6 +48,10 @@ class ModelFamily:
     output (Gemma's √H scale) and `head_hook` the logits (final soft-capping); None leaves them as they are.
     `config_fields` lists the Hugging Face config fields that change the numerics which the family implements
     (`topq.models.fields`: any other such field away from its neutral value is refused).
+
+    `layer_states(spec, layer)` says what a layer carries from one call to the next: () (or no function) is a
+    KV cache (the block calls `ctx.attention`); `LayerState`s are a recurrent layer's tensors (a linear-attention
+    conv window and state), which the block reads with `ctx.state_in` and returns with `ctx.carry`.
     """
 
     name: str
@@ -59,6 +73,12 @@ class ModelFamily:
     embed_hook: GraphHook | None = None
     head_hook: GraphHook | None = None
     config_fields: frozenset[str] = frozenset()
+    layer_states: Callable[[ModelSpec, int], tuple[LayerState, ...]] | None = None
+    conversion_note: Callable[[Mapping[str, Any]], str | None] | None = None
+
+    def states_of(self, spec: ModelSpec, layer: int) -> tuple[LayerState, ...]:
+        """What `layer` carries instead of KV; () for a KV layer."""
+        return () if self.layer_states is None else tuple(self.layer_states(spec, layer))
 
     def weights(self, spec: ModelSpec, store: WeightStore) -> WeightStore:
         """The checkpoint's tensors under the names the Top IR reads (`store` itself when the family maps

@@ -37,7 +37,7 @@ from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.plugins import Plugins, get_plugins
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct, resolve_group_size
 from topq.core.recipe import Recipe
-from topq.core.stages import StageConfig, build_program, rope_weights
+from topq.core.stages import StageConfig, build_program, layer_carries, rope_weights
 from topq.core.target import CompileJob, Target
 from topq.ir.analysis import linear_weight_names  # re-exported: callers import it from here
 from topq.ir.graph import Module
@@ -347,6 +347,9 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
                         (plugins.schemes.get(recipe.quant.scheme), plugins.schemes.get(recipe.quant.lm_head)))
     prepared = prepare(recipe, dump_dir, runner)
     phases.mark("prepare")
+    note = prepared.model.family.conversion_note
+    if note is not None and (text := note(prepared.model.checkpoint.config)):
+        print(f"note: {text}", file=sys.stderr)
     runner.refresh()  # workers forked during calibration predate the prepared program: units need fresh ones
     model, compiled = prepared.model, prepared.compiled
     stages = StageConfig.from_recipe(recipe.stages)
@@ -363,7 +366,8 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
         "target_meta": compiled.metadata,
         "quant_report": prepared.quant_report,
         "stages": {"seq_length": stages.seq_length, "max_input_length": stages.max_input_length,
-                   "prefill_kv": stages.prefill_kv, "decode_variants": list(stages.decode_variants)},
+                   "prefill_kv": stages.prefill_kv, "decode_variants": list(stages.decode_variants),
+                   **({"layer_states": carries} if any(carries := layer_carries(model.spec, model.family)) else {})},
     }
     output = Path(recipe.output.path)
     stats = BuildStats()

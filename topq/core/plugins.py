@@ -38,6 +38,8 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.models.qwen2_moe",
     "topq.plugins.models.qwen3_moe",
     "topq.plugins.models.mixtral",
+    "topq.plugins.models.qwen3_5",
+    "topq.plugins.models.qwen3_next",
     "topq.plugins.quant.float_modes",
     "topq.plugins.quant.auto",
     "topq.plugins.quant.rtn",

@@ -4,7 +4,10 @@ Scenarios (DESIGN §2): prefill + decode; multi-turn chat reusing the KV cache (
 `block_kv_*` or, without it, decode steps); prompts longer than max_input_length as one prefill plus
 prefill-with-history segments; decode picks the smallest variant whose history length fits.
 The KV cache lives here as one [1, S, KVH, D] array pair per layer; `length` is how much is valid,
-so truncating the conversation is free.
+so truncating the conversation is free. A recurrent layer (the bundle's `stages.layer_states`) carries its
+states instead: each call hands them to the next, and since a state cannot be cut back, the session keeps the
+states at the end of the last few `feed`s and truncation goes back to the latest one at or before the new
+length and feeds the tokens after it again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from topq.core.stages import stage_window
 from topq.core.target import Executor
 
 NEG_INF = np.float32(-np.inf)
+#: recurrent models: how many feeds' states a session keeps for going back (the latest ones: a chat re-renders
+#: the last turns); older truncation points are reached by feeding again from the start
+SAVED_STATES = 4
 
 
 @dataclass
@@ -84,21 +90,44 @@ class Session:
         spec = bundle.spec
         self.spec = spec
         shape = (1, self.seq_length, spec.num_kv_heads, spec.head_dim)
-        self.k_cache = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
-        self.v_cache = [np.zeros(shape, np.float32) for _ in range(spec.num_layers)]
+        carries = attrs.get("layer_states") or [[] for _ in range(spec.num_layers)]
+        #: per layer: the shapes of the states it carries; () for a KV layer
+        self.state_shapes: list[tuple[tuple[int, ...], ...]] = [tuple(tuple(s) for _, s in c) for c in carries]
+        kv_layers = [not shapes for shapes in self.state_shapes]
+        self.k_cache: list[np.ndarray | None] = [np.zeros(shape, np.float32) if kv else None for kv in kv_layers]
+        self.v_cache: list[np.ndarray | None] = [np.zeros(shape, np.float32) if kv else None for kv in kv_layers]
+        self.states: list[list[np.ndarray]] = self._zero_states()
+        self._saved: dict[int, list[list[np.ndarray]]] = {}  # length → the states after it (recurrent models)
         self.windows = [stage_window(spec, layer, self.seq_length) for layer in range(spec.num_layers)]
         self.tokens: list[int] = []  # what the KV cache holds
         self.calls: list[str] = []  # functions run, for tests and inspection
+
+    @property
+    def recurrent(self) -> bool:
+        return any(self.state_shapes)
+
+    def _zero_states(self) -> list[list[np.ndarray]]:
+        return [[np.zeros(s, np.float32) for s in shapes] for shapes in self.state_shapes]
 
     @property
     def length(self) -> int:
         return len(self.tokens)
 
     def reset(self) -> None:
-        self.tokens = []
+        self.truncate(0)
 
     def truncate(self, length: int) -> None:
-        self.tokens = self.tokens[:length]
+        if not self.recurrent or length >= self.length:
+            self.tokens = self.tokens[:length]
+            return
+        # states cannot be cut back: restart from the last saved states at or before `length`
+        kept = self.tokens[:length]
+        start = max((n for n in self._saved if n <= length), default=0)
+        self._saved = {n: states for n, states in self._saved.items() if n <= start}
+        self.states = [[a.copy() for a in layer] for layer in self._saved[start]] if start else self._zero_states()
+        self.tokens = kept[:start]
+        if length > start:
+            self.feed(kept[start:])
 
     def _run(self, name: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
         self.calls.append(name)
@@ -129,6 +158,10 @@ class Session:
                 outputs.append(self._logits_rows(hidden, len(chunk)))
             elif pos >= len(ids):
                 outputs.append(self._logits_rows(hidden[:, len(chunk) - 1:len(chunk)], 1))
+        if self.recurrent:
+            self._saved[self.length] = [[a.copy() for a in layer] for layer in self.states]
+            for length in sorted(self._saved)[:-SAVED_STATES]:
+                del self._saved[length]
         logits = np.concatenate(outputs, axis=0)
         return logits if all_logits else logits[-1]
 
@@ -143,15 +176,36 @@ class Session:
         positions = np.minimum(np.arange(start, start + length), self.seq_length - 1).astype(np.int32)[None]
         return ids, positions
 
+    @staticmethod
+    def _kv(cache: list[np.ndarray | None], layer: int) -> np.ndarray:
+        array = cache[layer]
+        assert array is not None, f"layer {layer} carries states, not KV"
+        return array
+
     def _store_kv(self, layer: int, k: np.ndarray, v: np.ndarray, count: int) -> None:
         start = self.length
-        self.k_cache[layer][:, start:start + count] = k[:, :count]
-        self.v_cache[layer][:, start:start + count] = v[:, :count]
+        self._kv(self.k_cache, layer)[:, start:start + count] = k[:, :count]
+        self._kv(self.v_cache, layer)[:, start:start + count] = v[:, :count]
+
+    def _valid(self, count: int) -> np.ndarray:
+        valid = np.zeros((1, self.max_input_length), np.float32)
+        valid[0, :count] = 1
+        return valid
+
+    def _recurrent_block(self, name: str, layer: int, inputs: list[np.ndarray]) -> np.ndarray:
+        """Run a recurrent layer's function on `inputs` + its states; keep the states it returns."""
+        hidden, *states = self._run(name, inputs + self.states[layer])
+        self.states[layer] = states
+        return hidden
 
     def _prefill(self, chunk: Sequence[int]) -> np.ndarray:
         ids, positions = self._padded(chunk, self.max_input_length)
         (hidden,) = self._run("embedding", [ids])
         for layer in range(self.spec.num_layers):
+            if self.state_shapes[layer]:
+                hidden, *self.states[layer] = self._run(f"block_{layer}", [hidden, positions,
+                                                                           self._valid(len(chunk))])
+                continue
             hidden, k, v = self._run(f"block_{layer}", [hidden, positions])
             self._store_kv(layer, k, v, len(chunk))
         self.tokens.extend(chunk)
@@ -163,8 +217,13 @@ class Session:
         masks = {w: self._history_mask(S, L, w) for w in set(self.windows)}
         (hidden,) = self._run("embedding", [ids])
         for layer in range(self.spec.num_layers):
+            if self.state_shapes[layer]:
+                hidden = self._recurrent_block(f"block_kv_{layer}", layer, [hidden, positions,
+                                                                             self._valid(len(chunk))])
+                continue
             hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, masks[self.windows[layer]],
-                                                           self.k_cache[layer], self.v_cache[layer]])
+                                                           self._kv(self.k_cache, layer),
+                                                           self._kv(self.v_cache, layer)])
             self._store_kv(layer, k, v, len(chunk))
         self.tokens.extend(chunk)
         return hidden
@@ -201,9 +260,12 @@ class Session:
         masks = {w: self._history_mask(variant, 1, w) for w in set(self.windows)}
         (hidden,) = self._run("embedding_cache", [ids])
         for layer in range(self.spec.num_layers):
+            if self.state_shapes[layer]:  # no history to size: the one decode function
+                hidden = self._recurrent_block(f"block_cache_{layer}", layer, [hidden, positions])
+                continue
             hidden, k, v = self._run(f"block_cache_{layer}{suffix}", [
-                hidden, positions, masks[self.windows[layer]], self.k_cache[layer][:, :variant],
-                self.v_cache[layer][:, :variant]])
+                hidden, positions, masks[self.windows[layer]], self._kv(self.k_cache, layer)[:, :variant],
+                self._kv(self.v_cache, layer)[:, :variant]])
             self._store_kv(layer, k, v, 1)
         self.tokens.append(token)
         return hidden

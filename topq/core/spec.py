@@ -75,13 +75,17 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoESpec | None = None  # a mixture-of-experts feed-forward (None: dense)
+    #: per layer, its token mixer when a model mixes kinds (hybrid linear attention); () for all attention
+    layer_types: tuple[str, ...] = ()
+    #: a linear-attention layer's sizes: key_heads, value_heads, key_head_dim, value_head_dim, conv_kernel
+    linear_attention: dict[str, int] | None = None
 
     #: sizes the graph divides by or allocates: a config giving 0, a negative or a non-integer is refused here
     POSITIVE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "vocab_size")
 
     WRITTEN_WHEN_SET = ("o_proj_bias", "mlp_bias", "attention_scale", "attn_softcap", "final_softcap", "layer_windows",
-                        "local_rope_theta", "moe")
+                        "local_rope_theta", "moe", "layer_types", "linear_attention")
 
     def __post_init__(self) -> None:
         for name in self.POSITIVE:
@@ -109,6 +113,7 @@ class ModelSpec:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["layer_windows"] = list(self.layer_windows)
+        d["layer_types"] = list(self.layer_types)
         if self.moe is not None:
             d["moe"]["dense_layers"] = list(self.moe.dense_layers)
         # Fields added after the bundle format settled are written only when used, so the bundles of models
@@ -134,4 +139,5 @@ class ModelSpec:
                 raise TopqError(f"model spec moe has unknown fields: {', '.join(sorted(unknown))}")
             moe["dense_layers"] = tuple(moe.get("dense_layers", ()))
             d["moe"] = MoESpec(**moe)
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)

@@ -10,6 +10,15 @@ KVH kv heads, D head dim):
         -> (hidden, k[1,1,KVH,D], v)
     lm_head(hidden[1,1,H]) -> logits[1,1,V]                (the final norm is folded in here)
 
+A recurrent layer (the family's `layer_states` names what it carries, e.g. a linear-attention layer's conv
+window and state, each `[1, ...]` f32) has no KV and no decode variants:
+
+    block_{i}(hidden, pos, valid[1,L]) -> (hidden, *states)
+    block_kv_{i}(hidden, pos, valid[1,L], *states) -> (hidden, *states)
+    block_cache_{i}(hidden[1,1,H], pos[1,1], *states) -> (hidden, *states)
+
+`valid` is 1 on the real tokens of the padded segment, 0 on the padding, which must not reach the states.
+
 Prefill is causal inside `top.FAttention` (no L×L mask). Prefill-with-history takes a small key mask
 over history + new keys (like decode's), because only the runtime knows how much of the static
 history buffer is filled. RoPE cos/sin are `[S, R]` weights gathered by position_ids.
@@ -26,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from topq.core.errors import TopqError
-from topq.core.family import ModelFamily, ModelSpec
+from topq.core.family import LayerState, ModelFamily, ModelSpec
 from topq.core.rope import rope_inv_freq
 from topq.ir.builder import Builder
 from topq.ir.graph import Module, Value
@@ -92,7 +101,7 @@ class BlockContext:
     def __init__(self, builder: Builder, spec: ModelSpec, family: ModelFamily, layer: int, stage: Stage,
                  hidden: Value, cos: Value, sin: Value, shapes: Mapping[str, tuple[int, ...]] | None,
                  mask: Value | None = None, history_k: Value | None = None, history_v: Value | None = None,
-                 window: int = 0) -> None:
+                 window: int = 0, valid: Value | None = None, states: Mapping[str, Value] | None = None) -> None:
         self.b = builder
         self.spec = spec
         self.family = family
@@ -105,6 +114,17 @@ class BlockContext:
         self.window = window  # this layer's sliding window in tokens (0: full attention)
         self.k_out: Value | None = None
         self.v_out: Value | None = None
+        self.valid = valid  # [1, L] f32 in a recurrent layer's prefill stages, else None
+        self._states_in = dict(states or {})
+        self.states_out: dict[str, Value] = {}
+
+    def state_in(self, name: str) -> Value | None:
+        """The carried state `name` this call starts from; None in prefill (the state starts at zero)."""
+        return self._states_in.get(name)
+
+    def carry(self, **states: Value) -> None:
+        """Record the states this recurrent layer hands to its next call (one per `LayerState`)."""
+        self.states_out.update(states)
 
     @property
     def length(self) -> int:
@@ -255,7 +275,8 @@ def build_program(spec: ModelSpec, family: ModelFamily, config: StageConfig,
         _build_block_function(b, spec, family, Stage.PREFILL, layer, L, 0, shapes, S)
         if config.prefill_kv:
             _build_block_function(b, spec, family, Stage.PREFILL_KV, layer, L, S, shapes, S)
-        for history in config.decode_variants:
+        # a recurrent layer reads no history: one decode function, whatever the context length
+        for history in (S,) if family.states_of(spec, layer) else config.decode_variants:
             _build_block_function(b, spec, family, Stage.DECODE, layer, 1, history, shapes, S)
 
     with b.function("lm_head", tensor(1, 1, H)) as f:
@@ -272,8 +293,14 @@ def _build_block_function(b: Builder, spec: ModelSpec, family: ModelFamily, stag
                           length: int, history: int, shapes: Mapping[str, tuple[int, ...]] | None,
                           seq_length: int) -> None:
     H, KVH, D = spec.hidden_size, spec.num_kv_heads, spec.head_dim
+    states = family.states_of(spec, layer)
     inputs = [tensor(1, length, H), tensor(1, length, dtype="i32")]
-    if stage.with_history:
+    if states:
+        if stage is not Stage.DECODE:
+            inputs.append(tensor(1, length))
+        if stage.with_history:
+            inputs += [tensor(*s.shape) for s in states]
+    elif stage.with_history:
         inputs += [tensor(1, 1, mask_rows(spec, stage, layer, length, seq_length), history + length),
                    tensor(1, history, KVH, D), tensor(1, history, KVH, D)]
     name = block_name(stage, layer, history, seq_length)
@@ -283,6 +310,13 @@ def _build_block_function(b: Builder, spec: ModelSpec, family: ModelFamily, stag
         cos_table, sin_table = rope_table_names(spec, layer)
         cos = b.top.Gather(b.weight(cos_table, tensor(seq_length, R)), positions, axis=0, loc="rope_cos")
         sin = b.top.Gather(b.weight(sin_table, tensor(seq_length, R)), positions, axis=0, loc="rope_sin")
+        if states:
+            valid = rest.pop(0) if stage is not Stage.DECODE else None
+            ctx = BlockContext(b, spec, family, layer, stage, hidden, cos, sin, shapes, valid=valid,
+                               states={s.name: v for s, v in zip(states, rest)})
+            out = family.build_block(ctx)
+            f.returns(out, *_carried(family, layer, states, ctx))
+            return
         mask, history_k, history_v = rest if rest else (None, None, None)
         ctx = BlockContext(b, spec, family, layer, stage, hidden, cos, sin, shapes, mask, history_k, history_v,
                            window=stage_window(spec, layer, seq_length))
@@ -290,3 +324,23 @@ def _build_block_function(b: Builder, spec: ModelSpec, family: ModelFamily, stag
         if ctx.k_out is None or ctx.v_out is None:
             raise TopqError(f"family {family.name}: build_block never called ctx.attention")
         f.returns(out, ctx.k_out, ctx.v_out)
+
+
+def _carried(family: ModelFamily, layer: int, states: tuple[LayerState, ...], ctx: BlockContext) -> list[Value]:
+    """The states a recurrent block returned, in the declared order, checked against their declared shapes."""
+    if ctx.k_out is not None:
+        raise TopqError(f"family {family.name}: layer {layer} carries states, but its block attends over KV")
+    if set(ctx.states_out) != {s.name for s in states}:
+        raise TopqError(f"family {family.name}: layer {layer} returned states {sorted(ctx.states_out)}, declared "
+                        f"{[s.name for s in states]}")
+    values = [ctx.states_out[s.name] for s in states]
+    for s, v in zip(states, values):
+        if tuple(v.shape) != tuple(s.shape):
+            raise TopqError(f"family {family.name}: layer {layer} state {s.name} is {list(v.shape)}, declared "
+                            f"{list(s.shape)}")
+    return values
+
+
+def layer_carries(spec: ModelSpec, family: ModelFamily) -> list[list[list[Any]]]:
+    """Per layer, what it carries as stored in a bundle's stages: [] for KV, else [[name, shape], ...]."""
+    return [[[s.name, list(s.shape)] for s in family.states_of(spec, i)] for i in range(spec.num_layers)]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from topq.ir.errors import TopqError
+from topq.ir.reference_linear_attention import LINEAR_ATTENTION_OPS
 
 Kernel = Callable[[list[np.ndarray], dict[str, Any]], list[np.ndarray]]
 
@@ -635,4 +636,5 @@ REFERENCE_OPS: dict[str, Kernel] = {
     "top.TopK": _topk,
     "top.MoE": _moe,
     "top.MatMulInt8": _matmul_int8,
+    **LINEAR_ATTENTION_OPS,
 }

@@ -297,3 +297,56 @@ define("top.MatMulInt8", (3, 4), attrs={"act_scale": A("float", 0.0), "dynamic":
        traits=Traits(weights=(1, 2, 3)),
        doc="y = (q(x) codesᵀ) * (scale_x * w_scale) [+ bias], or requantized by M·2^-s to "
            "int8 codes times out_scale (static, out_scale > 0)")
+
+
+# ----------------------------------------------------------------- linear attention (Gated DeltaNet layers)
+# Kernels: topq/ir/reference_linear_attention.py (layouts and the recurrence in its module doc).
+
+
+def _gated_delta_rule(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    q, k, v, g, beta, *state = _tensors(types)
+    if q.rank != 4 or k.shape != q.shape or v.rank != 4 or v.shape[:2] != q.shape[:2]:
+        raise InferError(f"gated delta rule takes q, k [B, L, HK, DK] and v [B, L, HV, DV]; got {list(q.shape)}, "
+                         f"{list(k.shape)}, {list(v.shape)}")
+    b, length, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    if hv % hk or g.shape != (b, length, hv) or beta.shape != g.shape:
+        raise InferError(f"value heads {hv} must be a multiple of key heads {hk}, g and beta [B, L, HV] = "
+                         f"{[b, length, hv]}; got {list(g.shape)}, {list(beta.shape)}")
+    state_type = TensorType((b, hv, dk, dv), "f32")  # the state stays f32 whatever the activations are
+    if state and state[0].shape != state_type.shape:
+        raise InferError(f"state {list(state[0].shape)} is not [B, HV, DK, DV] = {list(state_type.shape)}")
+    if attrs.get("chunk_size", 1) < 1:
+        raise InferError(f"chunk_size must be positive, got {attrs['chunk_size']}")
+    return [v, state_type]
+
+
+def _causal_conv1d(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, weight, *rest = _tensors(types)
+    if x.rank != 3 or weight.rank != 3 or weight.shape[:2] != (x.shape[2], 1):
+        raise InferError(f"CausalConv1d takes x [B, L, C] and weight [C, 1, K]; got {list(x.shape)}, "
+                         f"{list(weight.shape)}")
+    state_type = TensorType((x.shape[0], weight.shape[2] - 1, x.shape[2]), "f32")
+    if attrs["with_state"]:
+        if not rest or rest[0].shape != state_type.shape:
+            raise InferError(f"CausalConv1d with_state needs a state [B, K-1, C] = {list(state_type.shape)}")
+        rest = rest[1:]
+    if rest and rest[0].shape != x.shape[:2]:
+        raise InferError(f"valid {list(rest[0].shape)} is not [B, L] = {list(x.shape[:2])}")
+    return [x, state_type]
+
+
+_GDR_ATTRS = {"scale": A("float"), "qk_l2norm": A("bool", True)}
+define("top.GatedDeltaRule", (5, 6), results=2, attrs=_GDR_ATTRS, infer=_gated_delta_rule, traits=PLAIN,
+       doc="(q, k, v, g, beta[, state]) -> (out [B, L, HV, DV], state [B, HV, DK, DV]): the recurrent form")
+define("top.ChunkGatedDeltaRule", (5, 6), results=2, attrs={**_GDR_ATTRS, "chunk_size": A("int", 64)},
+       infer=_gated_delta_rule, traits=PLAIN, doc="the gated delta rule computed chunk by chunk (prefill)")
+# Operands: x, weight [C, 1, K] (PyTorch's depthwise layout), the state if with_state, then optionally valid [B, L]
+# (a prefix of ones: the new state is the window at the last real token, so padding never enters it).
+define("top.CausalConv1d", (2, 4), results=2,
+       attrs={"with_state": A("bool", True), "act": A("str", "silu", ("silu", "none"))},
+       infer=_causal_conv1d, traits=Traits(weights=(1,)),
+       doc="depthwise causal conv over time carrying its last K-1 inputs: (y [B, L, C], state [B, K-1, C])")
+define("top.Sigmoid", 1, infer=_same, traits=ELEMENTWISE)
+define("top.Softplus", 1, infer=_same, traits=ELEMENTWISE, doc="log(1 + exp(x)); x above 20 (torch's threshold)")
+define("top.Exp", 1, infer=_same, traits=ELEMENTWISE)

@@ -8,7 +8,9 @@ tensor name → rule (the MLC-LLM "weight mapping with transforms"), in a small 
 * `Rows(source, sections, index)` — one row block of a fused tensor (split qkv by heads × head_dim, gate_up in
   halves);
 * `AddScalar(source, value)` — an elementwise `w + value` in float32 (`1 + w` norms);
-* `Stack(source, count)` — per-expert tensors stacked on a new leading axis.
+* `Stack(source, count)` — per-expert tensors stacked on a new leading axis;
+* `GroupedRows(source, groups, parts, take)` — the same parts taken from every head group of a tensor fused
+  per group (Qwen3-Next's `in_proj_qkvz`: [q, k, v, z] per key head).
 
 Names contain `{i}` for the layer (and, in a `Stack` source, `{e}` for the expert). A derived tensor carries
 the IR name the block reads (e.g. `model.layers.0.self_attn.q_proj.weight` made from
@@ -38,8 +40,8 @@ if TYPE_CHECKING:
     from topq.core.checkpoint import WeightStore
     from topq.core.quant import QuantizedWeight
 
-__all__ = ["AddScalar", "MappedWeights", "Rows", "Stack", "WeightRule", "gate_up_sections", "qkv_sections",
-           "split_rows"]
+__all__ = ["AddScalar", "GroupedRows", "MappedWeights", "Rows", "Stack", "WeightRule", "gate_up_sections",
+           "qkv_sections", "split_rows"]
 
 #: A number n of equal row blocks, or a function of the spec that gives each block's row count.
 Sections = int | Callable[[ModelSpec], Sequence[int]]
@@ -70,7 +72,27 @@ class Stack:
     count: int | Callable[[ModelSpec], int]
 
 
-WeightRule = Rows | AddScalar | Stack
+@dataclass(frozen=True)
+class GroupedRows:
+    """Rows of a tensor fused per head group: `source`'s rows are `groups` equal blocks, each cut into consecutive
+    `parts` (row counts); the result is parts `take` of every group, part by part (take[0] of groups 0, 1, …,
+    then take[1] of groups 0, 1, …)."""
+
+    source: str
+    groups: int | Callable[[ModelSpec], int]
+    parts: Callable[[ModelSpec], Sequence[int]]
+    take: tuple[int, ...]
+
+    def rows(self, spec: ModelSpec) -> np.ndarray:
+        groups = self.groups if isinstance(self.groups, int) else int(self.groups(spec))
+        parts = [int(p) for p in self.parts(spec)]
+        starts = np.cumsum([0, *parts[:-1]])
+        per_group = sum(parts)
+        return np.concatenate([np.arange(g * per_group + starts[t], g * per_group + starts[t] + parts[t])
+                               for t in self.take for g in range(groups)])
+
+
+WeightRule = Rows | AddScalar | Stack | GroupedRows
 
 
 def qkv_sections(spec: ModelSpec) -> tuple[int, int, int]:
@@ -97,11 +119,19 @@ class _Derived:
     sources: tuple[str, ...]
     start: int = 0
     stop: int = 0
+    index: tuple[int, ...] = ()  # GroupedRows: the source rows, in order
+
+    @property
+    def rows(self) -> slice | np.ndarray:
+        """The source rows a row rule takes."""
+        return np.asarray(self.index) if isinstance(self.rule, GroupedRows) else slice(self.start, self.stop)
 
     def describe(self) -> list[Any]:
         """What decides the tensor besides its sources' bytes (part of its build-cache fingerprint)."""
         if isinstance(self.rule, Rows):
             return ["rows", self.start, self.stop]
+        if isinstance(self.rule, GroupedRows):
+            return ["grouped_rows", hashlib.sha256(np.asarray(self.index, np.int64).tobytes()).hexdigest()]
         if isinstance(self.rule, AddScalar):
             return ["add", float(self.rule.value)]
         return ["stack", len(self.sources)]
@@ -146,6 +176,14 @@ class MappedWeights:
             sources = (rule.source.format(i=layer),)
         if not all(s in self.base for s in sources):
             return None
+        if isinstance(rule, GroupedRows):
+            index = rule.rows(spec)
+            rows = int(self.base.shape(sources[0])[0])
+            groups = rule.groups if isinstance(rule.groups, int) else int(rule.groups(spec))
+            if groups * sum(int(p) for p in rule.parts(spec)) != rows:
+                raise TopqError(f"family {self.family}: {sources[0]} has {rows} rows, not {groups} groups of "
+                                f"{list(rule.parts(spec))}")
+            return _Derived(rule, sources, index=tuple(int(i) for i in index))
         if not isinstance(rule, Rows):
             return _Derived(rule, sources)
         rows = int(self.base.shape(sources[0])[0])
@@ -183,6 +221,8 @@ class MappedWeights:
         first = tuple(self.base.shape(d.sources[0]))
         if isinstance(d.rule, Rows):
             return (d.stop - d.start, *first[1:])
+        if isinstance(d.rule, GroupedRows):
+            return (len(d.index), *first[1:])
         if isinstance(d.rule, Stack):
             return (len(d.sources), *first)
         return first
@@ -203,8 +243,8 @@ class MappedWeights:
         d = self._check(name)
         if d is None:
             return self.base.get(name)
-        if isinstance(d.rule, Rows):
-            return self._fused(d.sources[0])[d.start:d.stop].copy()
+        if isinstance(d.rule, (Rows, GroupedRows)):
+            return self._fused(d.sources[0])[d.rows].copy()
         if isinstance(d.rule, AddScalar):
             return (self.base.get(d.sources[0]) + np.float32(d.rule.value)).astype(np.float32)
         return self._stack([self.base.get(s) for s in d.sources], d.sources)
@@ -218,8 +258,8 @@ class MappedWeights:
         d = self._check(name)
         if d is None:
             return read(name)
-        if isinstance(d.rule, Rows):
-            return np.array(read(d.sources[0])[d.start:d.stop])  # a private copy: the fused tensor is not kept
+        if isinstance(d.rule, (Rows, GroupedRows)):
+            return np.array(read(d.sources[0])[d.rows])  # a private copy: the fused tensor is not kept
         if isinstance(d.rule, AddScalar):
             return self.get(name)
         return self._stack([np.asarray(read(s)) for s in d.sources], d.sources)
@@ -237,14 +277,14 @@ class MappedWeights:
         zeros. None where the checkpoint has none, and for transformed or stacked tensors."""
         from_base = getattr(self.base, "quantized", None)
         d = self._check(name)
-        if from_base is None or (d is not None and not isinstance(d.rule, Rows)):
+        if from_base is None or (d is not None and not isinstance(d.rule, (Rows, GroupedRows))):
             return None
         if d is None:
             return from_base(name)
         q = from_base(d.sources[0])
         if q is None:
             return None
-        rows = slice(d.start, d.stop)
+        rows = d.rows
         return replace(q, codes=q.codes[rows], scales=q.scales[rows], zeros=q.zeros[rows])
 
     def fingerprint(self, name: str) -> str:
@@ -263,7 +303,7 @@ class MappedWeights:
 
 
 def weight_map(rules: Mapping[str, WeightRule]) -> Callable[[ModelSpec, WeightStore], WeightStore]:
-    """A family's `map_weights` from declarative rules (IR name template → `Rows` / `AddScalar` / `Stack`): the
+    """A family's `map_weights` from declarative rules (IR name template → a `WeightRule`): the
     checkpoint's store seen through them, every derived tensor computed when it is read."""
     frozen = dict(rules)
 

@@ -388,6 +388,8 @@ def _find_groups(function: Function, family: Any, spec: Any, layer: int) -> list
     uses = linear_uses(function)
     linears = list(dict.fromkeys(use.weight for use in uses))  # in order of first use
     groups = [tuple(g) for g in family.quant_groups] or [(key_of[n],) for n in linears if n in key_of]
+    # layers of different kinds (hybrid models) have different linears: a group none of whose linears this
+    # layer has belongs to the other kind
     present = set(linears)
     groups = [g for g in groups if any(family.layer_weights[k].format(i=layer) in present for k in g)]
     covered = {k for g in groups for k in g}
@@ -584,14 +586,16 @@ def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None
     hidden = rows if rows is not None else step.hidden[start:stop]  # type: ignore[index]
     positions = np.arange(step.source.seq_len, dtype=np.int32)[None]
     name = f"block_{step.layer}"
+    # a recurrent layer's prefill also takes `valid` (stages.py): every calibration token is real
+    valid = [np.ones((1, step.source.seq_len), np.float32)] if len(interp.module[name].args) == 3 else []
     if plans is None:
-        return [interp.run(name, [h[None], positions])[0][0] for h in hidden]
+        return [interp.run(name, [h[None], positions, *valid])[0][0] for h in hidden]
     captured = [_Captured() for _ in plans]
     interp.capture(plans, captured)  # type: ignore[arg-type]
     try:
         for h in hidden:
             try:
-                interp.run(name, [h[None], positions])
+                interp.run(name, [h[None], positions, *valid])
             except _StopLayer:
                 pass
     finally:

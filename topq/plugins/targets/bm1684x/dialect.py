@@ -244,6 +244,29 @@ _tpu("FAttention", (3, 6), _fattention,
       "window": A("int", None)},
      doc="f32 scores and softmax; probabilities rounded to dtype before the PV matmul")
 _tpu("TopK", 1, _typed(top._topk), {"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)}, results=2)
+_tpu("Sigmoid", 1, _typed(top._same), doc="evaluated in f32")
+_tpu("Softplus", 1, _typed(top._same), doc="evaluated in f32")
+_tpu("Exp", 1, _typed(top._same), doc="evaluated in f32")
+
+
+def _with_f32_state(infer: InferFn) -> InferFn:
+    """A linear-attention op: its output in `dtype`, its carried state (result 1) in f32."""
+
+    def typed(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+        out, state = infer(types, attrs) or []
+        assert isinstance(out, TensorType) and isinstance(state, TensorType)
+        return [out.with_dtype(attrs["dtype"]), state.with_dtype("f32")]
+
+    return typed
+
+
+_tpu("CausalConv1d", (2, 4), _with_f32_state(top._causal_conv1d),
+     {"with_state": A("bool", True), "act": A("str", "silu", ("silu", "none"))},
+     results=2, doc="depthwise causal conv in f32 over the f32 state window and dtype inputs; state out f32")
+_tpu("GatedDeltaRule", (5, 6), _with_f32_state(top._gated_delta_rule), dict(top._GDR_ATTRS), results=2,
+     doc="recurrent gated delta rule: dtype q/k/v/g/beta, f32 state read and written, f32 arithmetic")
+_tpu("ChunkGatedDeltaRule", (5, 6), _with_f32_state(top._gated_delta_rule),
+     {**top._GDR_ATTRS, "chunk_size": A("int", 64)}, results=2, doc="chunked form of tpu.GatedDeltaRule")
 _tpu("KVStore", 2, _kvstore, {"layer": A("int"), "kind": A("str", choices=("k", "v")), "rows": A("int")}, results=0)
 
 

@@ -255,4 +255,7 @@ KERNELS: dict[str, Any] = {
     "tpu.Rope": rope,
     **{f"tpu.{n}": _ref(n) for n in ("LayerNorm", "Add", "Mul", "MulConst", "SiLU", "Tanh", "GELU", "Softmax",
                                      "Reshape", "Permute", "Slice", "Concat", "TopK")},
+    # linear attention: f32 arithmetic on dtype inputs and the f32 state; the writes round the output to dtype
+    **{f"tpu.{n}": _ref(n) for n in ("Sigmoid", "Softplus", "Exp", "CausalConv1d", "GatedDeltaRule",
+                                     "ChunkGatedDeltaRule")},
 }

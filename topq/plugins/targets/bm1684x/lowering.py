@@ -50,7 +50,10 @@ Pattern = Callable[[Operation, Rewriter], bool]
 SIDE_EFFECTS = frozenset({"tpu.KVStore"})
 #: Top ops whose tpu op has the same operands and attributes (plus `dtype` unless listed in NO_DTYPE)
 SAME_SHAPE = ("Gather", "RMSNorm", "LayerNorm", "Add", "Mul", "MulConst", "SiLU", "Tanh", "GELU", "Softmax", "Rope",
-              "Reshape", "Permute", "Slice", "Concat", "TopK")
+              "Reshape", "Permute", "Slice", "Concat", "TopK",
+              "Sigmoid", "Softplus", "Exp", "CausalConv1d", "GatedDeltaRule", "ChunkGatedDeltaRule")
+#: ops that carry a recurrent layer's state: (Top op, operand index of the state it reads); the state stays f32
+STATE_OPERANDS = {"top.CausalConv1d": 2, "top.GatedDeltaRule": 5, "top.ChunkGatedDeltaRule": 5}
 NO_DTYPE = frozenset({"Reshape", "Permute", "Slice", "Concat"})
 SUFFIX = {"weight": ".packed", "scale": ".scale", "zp": ".zp"}
 
@@ -102,8 +105,9 @@ class Lowering:
     # -- driver ----------------------------------------------------------------------------------------
     def run(self, module: Module) -> None:
         for function in module:
-            for arg in function.args:  # activations cross function boundaries in the mode's dtype
-                if isinstance(arg.type, TensorType) and arg.type.dtype in FLOAT_DTYPES:
+            states = state_args(function)
+            for arg in function.args:  # activations cross function boundaries in the mode's dtype, states in f32
+                if isinstance(arg.type, TensorType) and arg.type.dtype in FLOAT_DTYPES and id(arg) not in states:
                     arg.type = arg.type.with_dtype(self.dtype)
         self._int8_codes = {weight_source(op.operands[1]) or "" for f in module for op in f.walk()
                             if op.name == "top.MatMulInt8"}
@@ -348,6 +352,14 @@ class Lowering:
         return True
 
 
+def state_args(function: Function) -> set[int]:
+    """ids of the function's arguments that are a recurrent layer's carried states (read as a state operand)."""
+    args = {id(a) for a in function.args}
+    return {id(op.operands[i]) for op in function.walk() for name, i in STATE_OPERANDS.items()
+            if op.name == name and len(op.operands) > i and id(op.operands[i]) in args
+            and (name != "top.CausalConv1d" or op.attrs.get("with_state", True))}
+
+
 def eliminate_dead_ops(function: Function) -> None:
     used = {id(v) for v in function.results}
     kept: list[Operation] = []
@@ -361,7 +373,8 @@ def eliminate_dead_ops(function: Function) -> None:
 def insert_kv_stores(function: Function, rows: int, dtype: str) -> None:
     """Write a block's k and v outputs into the layer's KV-cache region, just before the attention: the attention
     reads the new rows from their own buffers, so the stores can wait until the projection group is done."""
-    if "layer" not in function.attrs or len(function.results) != 3 or len(function.args) < 2:
+    if ("layer" not in function.attrs or len(function.results) != 3 or len(function.args) < 2
+            or not any(op.name == "tpu.FAttention" for op in function.ops)):  # a recurrent layer has no KV
         return
     layer, positions = int(function.attrs["layer"]), function.args[1]
     ops = function.body.ops

@@ -155,7 +155,11 @@ SCORE_OPS = 7  # attention, per score element in f32: scale, mask add, max, subt
 SOFTCAP_OPS = 6  # per score element: divide, tanh (4), multiply
 MLP_ACT_OPS = {"silu": 4, "gelu": 8, "gelu_tanh": 8}  # + 1 for the gate × up multiply
 VIEW_OPS = frozenset({"Input", "Weight", "Reshape", "Concat", "Slice"})  # no data movement of their own
-ANCHOR_OPS = frozenset({"MatMul", "MLP", "MoE", "FAttention"})  # each starts its own layer group
+ANCHOR_OPS = frozenset({"MatMul", "MLP", "MoE", "FAttention", "GatedDeltaRule", "ChunkGatedDeltaRule"})  # own groups
+STATE_BYTES = 4  # a recurrent layer's states are f32 on the chip, whatever the mode
+#: recurrent ops: operand index of the carried state they read (result 1 is the state they write)
+STATE_OPERAND = {"GatedDeltaRule": 5, "ChunkGatedDeltaRule": 5, "CausalConv1d": 2}
+DELTA_STEP_OPS = 7  # f32 element-ops per state element and token: decay, Sᵀk (mul, add), delta, k⊗delta add, Sᵀq
 
 
 # ------------------------------------------------------------------------------------------ per-op cost
@@ -400,6 +404,50 @@ class _Estimator:
         nbytes = sum(self.act(v, split=False) for v in [*op.operands, *op.results])
         return _Cost(vector_s=vector, bytes_per_core=nbytes)
 
+    def _state_io(self, op: Operation) -> float:
+        """DDR bytes of the f32 state a recurrent op reads from the previous call and writes for the next one."""
+        index = STATE_OPERAND[_kind(op)]
+        total = 0.0
+        if len(op.operands) > index and id(op.operands[index]) in self.args:
+            total += self.transfer(self.numel(op.operands[index]) * STATE_BYTES)
+        if id(op.results[1]) in self.results:
+            total += self.transfer(self.numel(op.results[1]) * STATE_BYTES)
+        return total
+
+    def _cost_GatedDeltaRule(self, op: Operation) -> _Cost:
+        """The recurrence on the EU in f32: DELTA_STEP_OPS per state element and token."""
+        _, length, heads, dv = op.operands[2].shape
+        dk = op.operands[0].shape[-1]
+        vector = self.vector_s(float(length * heads * dk * dv * DELTA_STEP_OPS), STATE_BYTES)
+        return _Cost(vector_s=vector, bytes_per_core=self._state_io(op) + self._io_activations(op))
+
+    def _cost_ChunkGatedDeltaRule(self, op: Operation) -> _Cost:
+        """Per chunk of C tokens and value head: k_βkᵀ and qkᵀ (2·C²·DK each), the two unit-triangular solves
+        (C²·(DK + DV)), the intra-chunk PV (2·C²·DV) and the three state products (2·C·DK·DV each), on the cube
+        in f32 at the attention efficiency."""
+        _, length, heads, dv = op.operands[2].shape
+        dk = op.operands[0].shape[-1]
+        c = min(int(op.attrs.get("chunk_size", 64)), length)
+        chunks = math.ceil(length / c)
+        flops = heads * chunks * (4.0 * c * c * dk + c * c * (dk + dv) + 2.0 * c * c * dv + 6.0 * c * dk * dv)
+        cube = self.cube_s(flops, "f32", self.cal.attn_eff)
+        vector = self.vector_s(float(heads * chunks * c * c * 4), STATE_BYTES)  # decay masks and their exp
+        return _Cost(flops, cube, vector, self._state_io(op) + self._io_activations(op))
+
+    def _cost_CausalConv1d(self, op: Operation) -> _Cost:
+        x, weight = op.operands[:2]
+        width = weight.shape[-1]
+        vector = self.vector_s(float(self.numel(x) * (2 * width + 4)), STATE_BYTES)  # taps, then SiLU
+        return _Cost(vector_s=vector, bytes_per_core=self._state_io(op) + self._io_activations(op))
+
+    def _io_activations(self, op: Operation) -> float:
+        """DDR traffic of an op's non-state function inputs and results (as `io`), e.g. a prefill's valid mask."""
+        index = STATE_OPERAND[_kind(op)]
+        total = sum(self.act(v) for i, v in enumerate(op.operands) if id(v) in self.args and i != index)
+        total += sum(self.act(r) for r in op.results[:1] if id(r) in self.results)
+        return total + sum(self.transfer(self.numel(v) * self.mode.act_bytes, split=False)
+                           for v in op.operands if self.is_weight(v))
+
     def _cost_Gather(self, op: Operation) -> _Cost:
         _, index = op.operands
         out = op.results[0]
@@ -506,9 +554,13 @@ class _Program:
     def prefill_kv_blocks_s(self) -> float:
         return sum(self.estimate(f"block_kv_{i}").total_s for i in self.layers())
 
+    def decode_block(self, layer: int, variant: int) -> str:
+        """The decode function of `layer` for a history of `variant` (a recurrent layer has one for every length)."""
+        name = f"block_cache_{layer}" if variant == self.stages.seq_length else f"block_cache_{layer}_{variant}"
+        return name if name in self.module.functions else f"block_cache_{layer}"
+
     def decode(self, variant: int) -> dict[str, float]:
-        suffix = "" if variant == self.stages.seq_length else f"_{variant}"
-        names = ["embedding_cache", *(f"block_cache_{i}{suffix}" for i in self.layers()), "lm_head"]
+        names = ["embedding_cache", *(self.decode_block(i, variant) for i in self.layers()), "lm_head"]
         ests = [self.estimate(n) for n in names]
         return {
             "step_s": sum(e.total_s for e in ests),
@@ -580,7 +632,12 @@ def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, c
     full = prog.decode(st.seq_length)
     by_context = {c: prog.decode(c) for c in prog.variants}
     bandwidth = chip.ddr_bandwidth * max(1, chip.cores)
-    weights = _weight_bytes(prog.spec, mode, head)
+    family = _family(prog.spec)
+    kv_layers = sum(1 for i in prog.layers() if not family.states_of(prog.spec, i))
+    state_bytes = sum(math.prod(s.shape) for i in prog.layers() for s in family.states_of(prog.spec, i)) * STATE_BYTES
+    # hybrid models' layers differ in their linears: read them off the program
+    weights = (_program_weight_bytes(prog, mode, head) if prog.spec.layer_types
+               else _weight_bytes(prog.spec, mode, head))
     return {
         "chip": chip.name,
         "cores": chip.cores,
@@ -596,8 +653,12 @@ def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, c
         "decode_step_s": full["step_s"],
         "bytes_per_token": full["bytes"],
         "weight_bytes_per_token": weights,
-        "kv_cache_bytes": kv_bytes(prog.spec, st.seq_length, mode.act_bytes),
-        "kv_bytes_per_token": kv_bytes(prog.spec, st.seq_length + 1, mode.act_bytes, cal.kv_per_query_head),
+        "kv_cache_bytes": kv_bytes(prog.spec, st.seq_length, mode.act_bytes, layers=kv_layers),
+        "kv_bytes_per_token": kv_bytes(prog.spec, st.seq_length + 1, mode.act_bytes, cal.kv_per_query_head,
+                                       layers=kv_layers),
+        # recurrent layers: their f32 states, read and written once per decode step
+        "state_bytes": state_bytes,
+        "state_bytes_per_token": 2 * state_bytes,
         "ddr_utilization": full["bytes"] / full["step_s"] / bandwidth,
         "decode_tps_by_context": {str(c): 1.0 / d["step_s"] for c, d in by_context.items()},
         "bytes_per_token_by_context": {str(c): d["bytes"] for c, d in by_context.items()},
@@ -607,11 +668,12 @@ def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, c
     }
 
 
-def kv_bytes(spec: ModelSpec, history: int, act_bytes: int = 2, per_query_head: bool = False) -> int:
-    """K and V of `history` positions, all layers: the cache size, or what attention reads when it streams K/V
-    once per query head."""
+def kv_bytes(spec: ModelSpec, history: int, act_bytes: int = 2, per_query_head: bool = False,
+             layers: int | None = None) -> int:
+    """K and V of `history` positions in `layers` layers (default all; a hybrid model's attention layers): the
+    cache size, or what attention reads when it streams K/V once per query head."""
     heads = spec.num_heads if per_query_head else spec.num_kv_heads
-    return 2 * spec.num_layers * history * heads * spec.head_dim * act_bytes
+    return 2 * (spec.num_layers if layers is None else layers) * history * heads * spec.head_dim * act_bytes
 
 
 def _weight_bytes(spec: ModelSpec, mode: QuantMode, head: QuantMode) -> float:
@@ -634,6 +696,20 @@ def _weight_bytes(spec: ModelSpec, mode: QuantMode, head: QuantMode) -> float:
         if moe.shared_intermediate_size:
             total += mlp(moe.shared_intermediate_size) + h * mode.act_bytes
     return total + head.weight_bytes(spec.vocab_size, h)
+
+
+def _program_weight_bytes(prog: _Program, mode: QuantMode, head: QuantMode) -> float:
+    """Linear weights one decode step streams, read off the decode functions (layers of different kinds)."""
+    total = 0.0
+    for name in [*(prog.decode_block(i, prog.stages.seq_length) for i in prog.layers()), "lm_head"]:
+        linear = head if name == "lm_head" else mode
+        for op in prog.module[name].walk():
+            kind = _kind(op)
+            if kind == "MatMul" and op.attrs.get("right_transpose") and len(op.operands[1].shape) == 2:
+                total += linear.weight_bytes(*op.operands[1].shape)
+            elif kind == "MLP":
+                total += sum(linear.weight_bytes(*w.shape) for w in op.operands[1:])
+    return total
 
 
 # ------------------------------------------------------------------------------------------ entry point

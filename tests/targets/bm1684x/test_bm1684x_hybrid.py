@@ -1,0 +1,133 @@
+"""Hybrid linear-attention models on the bm1684x emulator: every function against the host at BF16 (states in
+f32, activations bf16), a session teacher-forced on the host's tokens, and W4BF16 linears in the recurrent
+layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from host_bundles import TINY_STAGES, TinyCheckpoint
+from tiny_models import HYBRID_KINDS, prompt
+
+from topq.core.bundle import Bundle
+from topq.core.pipeline import convert
+from topq.core.plugins import get_plugins
+from topq.core.recipe import recipe_from_defaults
+from topq.core.runtime import Session
+from topq.ir.graph import Function
+from topq.ir.parser import parse_module
+from topq.plugins.targets.bm1684x import open_bundle
+from topq.plugins.targets.bm1684x.spec import BM1684X
+
+S, L = TINY_STAGES["seq_length"], TINY_STAGES["max_input_length"]
+KINDS = list(HYBRID_KINDS)
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Callable[..., Bundle]:
+    """`bundles(kind, chip, scheme)`: converted once per module (the emulator in checker mode)."""
+    made: dict[tuple[str, str, str], Bundle] = {}
+
+    def get(kind: str, chip: str, scheme: str) -> Bundle:
+        key = (kind, chip, scheme)
+        if key not in made:
+            directory = tmp_path_factory.mktemp(f"hybrid_{kind}")
+            tiny_checkpoint(kind, directory)
+            out = directory / f"{chip}_{scheme}.topq"
+            quant: dict[str, Any] = {"scheme": scheme, **({"group_size": 16} if scheme.startswith("w") else {})}
+            target: dict[str, Any] = {"chip": chip, **({"checker": True} if chip != "host" else {})}
+            convert(recipe_from_defaults(model={"path": str(directory)}, quant=quant, target=target,
+                                         stages=TINY_STAGES, output={"path": str(out)}), progress=False)
+            made[key] = Bundle(out)
+        return made[key]
+
+    return get
+
+
+def function_inputs(function: Function, seed: int, recurrent: bool) -> list[np.ndarray]:
+    """What a Session passes: random hidden, states and history; positions after a history; the runtime's masks
+    (a prefill segment padded after 11 real tokens)."""
+    rng = np.random.default_rng(seed)
+    types = [a.type for a in function.args]
+    if function.name.startswith("embedding"):
+        return [rng.integers(0, 256, size=types[0].shape).astype(np.int32)]
+    if function.name == "lm_head":
+        return [rng.normal(size=types[0].shape).astype(np.float32)]
+    hidden = rng.normal(size=types[0].shape).astype(np.float32)
+    length, stage = types[0].shape[1], function.attrs["stage"]
+    start = 0 if stage == "prefill" else 9
+    positions = np.arange(start, start + length, dtype=np.int32)[None]
+    rest = [rng.normal(size=t.shape).astype(np.float32) * 0.5 for t in types[2:]]
+    if recurrent and stage != "decode":
+        rest[0] = (np.arange(L) < 11).astype(np.float32)[None]  # valid
+    elif not recurrent and stage != "prefill":
+        rest[0] = np.where(np.arange(types[2].shape[-1]) < start, 0, -np.inf).astype(np.float32).reshape(types[2].shape)
+        rest[0][..., types[2].shape[-1] - length:] = 0  # the new keys
+    return [hidden, positions, *rest]
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
+
+
+def function_cosines(bm: Bundle, host: Bundle) -> dict[str, float]:
+    emulator = open_bundle(bm, BM1684X, checker=True)
+    reference = get_plugins().targets.get("host").open(host)
+    carries = host.meta["stages"]["layer_states"]
+    out = {}
+    for i, function in enumerate(parse_module(host.program)):
+        layer = function.attrs.get("layer")
+        inputs = function_inputs(function, i, recurrent=layer is not None and bool(carries[int(layer)]))
+        got, want = emulator.run(function.name, inputs), reference.run(function.name, inputs)
+        assert [g.shape for g in got] == [w.shape for w in want], function.name
+        assert all(np.isfinite(g).all() for g in got), function.name
+        out[function.name] = min(cosine(g, w) for g, w in zip(got, want))
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_function_matches_host_at_bf16(bundles: Callable[..., Bundle], kind: str) -> None:
+    cos = function_cosines(bundles(kind, "bm1684x", "bf16"), bundles(kind, "host", "bf16"))
+    assert {"block_0", "block_kv_0", "block_cache_0", "block_cache_1_16", "block_cache_1"} <= set(cos)
+    worst = min(cos, key=cos.get)  # type: ignore[arg-type]
+    assert cos[worst] >= 0.9999, (worst, cos[worst])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_recurrent_state_stays_f32_on_the_chip(bundles: Callable[..., Bundle], kind: str) -> None:
+    program = bundles(kind, "bm1684x", "bf16").program
+    decode = program[program.index("func @block_cache_0("):]
+    signature = decode[:decode.index("{")]
+    assert "tensor<1x3x96xf32>" in signature and "tensor<1x4x16x8xf32>" in signature, signature
+    assert "tensor<1x1x64xbf16>" in signature
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_session_follows_the_host_teacher_forced(bundles: Callable[..., Bundle], kind: str) -> None:
+    """A 40-token prompt (prefill + two prefill_kv segments) and 8 decode steps fed the host's greedy tokens."""
+    host, bm = Session(bundles(kind, "host", "bf16")), Session(bundles(kind, "bm1684x", "bf16"))
+    ids = prompt(40, seed=9)
+    rows = [(host.feed(ids, all_logits=True), bm.feed(ids, all_logits=True))]
+    token = int(np.argmax(rows[0][0][-1]))
+    for _ in range(8):
+        h, b = host.decode(token), bm.decode(token)
+        rows.append((h[None], b[None]))
+        token = int(np.argmax(h))
+    worst = min(cosine(x, y) for h, b in rows for x, y in zip(h, b))
+    assert worst >= 0.999, worst
+    assert bm.calls.count("block_cache_0") == 8 and bm.calls.count("block_kv_0") == 2
+
+
+@pytest.mark.parametrize("kind", KINDS[:1])
+def test_w4bf16_runs_on_the_chip(bundles: Callable[..., Bundle], kind: str) -> None:
+    bm = bundles(kind, "bm1684x", "w4bf16")
+    assert "tpu.A16MatMul" in bm.program
+    packed = [n for n in bm.tensor_names() if n.startswith("model.layers.0.linear_attn.") and n.endswith(".packed")]
+    assert len(packed) == 5, packed  # in_proj_qkv / z / b / a and out_proj of the recurrent layer
+    cos = function_cosines(bm, bundles(kind, "host", "w4bf16"))
+    worst = min(cos, key=cos.get)  # type: ignore[arg-type]
+    assert cos[worst] >= 0.999, (worst, cos[worst])

@@ -18,6 +18,7 @@ from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.core.target import Executor
+from topq.core.threads import blas_threads, threads_for
 
 NEG_INF = np.float32(-np.inf)
 
@@ -131,7 +132,8 @@ class Session:
         return logits if all_logits else logits[-1]
 
     def _logits_rows(self, hidden: np.ndarray, count: int) -> np.ndarray:
-        rows = [self._run("lm_head", [np.ascontiguousarray(hidden[:, i:i + 1])])[0][0, 0] for i in range(count)]
+        with blas_threads(threads_for(1)):  # lm_head runs one position per call
+            rows = [self._run("lm_head", [np.ascontiguousarray(hidden[:, i:i + 1])])[0][0, 0] for i in range(count)]
         return np.stack(rows)
 
     def _padded(self, chunk: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,10 +150,11 @@ class Session:
 
     def _prefill(self, chunk: Sequence[int]) -> np.ndarray:
         ids, positions = self._padded(chunk, self.max_input_length)
-        (hidden,) = self._run("embedding", [ids])
-        for layer in range(self.spec.num_layers):
-            hidden, k, v = self._run(f"block_{layer}", [hidden, positions])
-            self._store_kv(layer, k, v, len(chunk))
+        with blas_threads(threads_for(self.max_input_length)):  # products of max_input_length rows (padded)
+            (hidden,) = self._run("embedding", [ids])
+            for layer in range(self.spec.num_layers):
+                hidden, k, v = self._run(f"block_{layer}", [hidden, positions])
+                self._store_kv(layer, k, v, len(chunk))
         self.tokens.extend(chunk)
         return hidden
 
@@ -160,11 +163,12 @@ class Session:
         ids, positions = self._padded(chunk, L)
         mask = np.zeros((1, 1, 1, S + L), np.float32)
         mask[..., self.length:S] = NEG_INF  # unfilled history slots; new keys are handled causally
-        (hidden,) = self._run("embedding", [ids])
-        for layer in range(self.spec.num_layers):
-            hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, mask, self.k_cache[layer],
-                                                           self.v_cache[layer]])
-            self._store_kv(layer, k, v, len(chunk))
+        with blas_threads(threads_for(L)):
+            (hidden,) = self._run("embedding", [ids])
+            for layer in range(self.spec.num_layers):
+                hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, mask, self.k_cache[layer],
+                                                               self.v_cache[layer]])
+                self._store_kv(layer, k, v, len(chunk))
         self.tokens.extend(chunk)
         return hidden
 
@@ -185,11 +189,12 @@ class Session:
         positions = np.array([[history]], np.int32)
         mask = np.zeros((1, 1, 1, variant + 1), np.float32)
         mask[..., history:variant] = NEG_INF
-        (hidden,) = self._run("embedding_cache", [ids])
-        for layer in range(self.spec.num_layers):
-            hidden, k, v = self._run(f"block_cache_{layer}{suffix}", [
-                hidden, positions, mask, self.k_cache[layer][:, :variant], self.v_cache[layer][:, :variant]])
-            self._store_kv(layer, k, v, 1)
+        with blas_threads(threads_for(1)):  # one token: matrix-vector products, where threads only wait
+            (hidden,) = self._run("embedding_cache", [ids])
+            for layer in range(self.spec.num_layers):
+                hidden, k, v = self._run(f"block_cache_{layer}{suffix}", [
+                    hidden, positions, mask, self.k_cache[layer][:, :variant], self.v_cache[layer][:, :variant]])
+                self._store_kv(layer, k, v, 1)
         self.tokens.append(token)
         return hidden
 

@@ -260,12 +260,13 @@ class _Parsed:
 
     def __init__(self, path: Path, reader: Any) -> None:
         self.path, self.reader = path, reader
-        self._tokenizer: dict[str, str] | None = None
+        self._tokenizer: tuple[Any, dict[str, str]] | None = None  # (the converter that made it, its files)
 
     def tokenizer_files(self) -> dict[str, str]:
-        if self._tokenizer is None:
-            self._tokenizer = _tokenizer_files(self.path, self.reader)
-        return dict(self._tokenizer)
+        convert = _tokenizer_files  # looked up now: a replaced converter (a test's stand-in) is not served stale
+        if self._tokenizer is None or self._tokenizer[0] is not convert:
+            self._tokenizer = (convert, convert(self.path, self.reader))
+        return dict(self._tokenizer[1])
 
 
 _PARSED: dict[tuple[str, int, str], _Parsed] = {}

@@ -46,7 +46,8 @@ CASES = (
     Case("qwen2.5-7b", "bm1684x", 512, 10.26, 0.652, True),
     Case("qwen3-4b", "bm1684x", 512, 15.86, 0.464, True),
     Case("deepseek-r1-distill-qwen-7b", "bm1684x", 2048, 8.30, 2.94, True),
-    Case("qwen3-4b", "bm1688", 512, 7.98, None, False),
+    Case("qwen2.5-1.5b", "bm1688", 1024, 20.17, 1.283, False),
+    Case("qwen3-4b", "bm1688", 512, 7.98, 1.656, False),
 )
 
 #: The paper's Qwen3.5 table (BM1684X, W4BF16, 2K context): model size (GB) and tokens/s, and the config the

@@ -441,6 +441,22 @@ def _write_gguf(path: Path, tensors: list[tuple[str, np.ndarray, Any]]) -> None:
     writer.close()
 
 
+def test_gguf_metadata_is_parsed_once_per_file_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening the same GGUF file again reuses its parsed metadata; a file rewritten in place (same size, other
+    bytes) is parsed again and its new values are read."""
+    calls: list[Path] = []
+    read = gguf_file._read
+    monkeypatch.setattr(gguf_file, "_read", lambda p: calls.append(p) or read(p))
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, [("blk.0.attn_norm.weight", np.ones(64, np.float32), None)])
+    first = gguf_file.open_checkpoint(path).weights.get("model.layers.0.input_layernorm.weight")
+    again = gguf_file.open_checkpoint(path).weights.get("model.layers.0.input_layernorm.weight")
+    assert len(calls) == 1 and np.array_equal(first, again)
+    _write_gguf(path, [("blk.0.attn_norm.weight", np.full(64, 2.0, np.float32), None)])  # same size
+    changed = gguf_file.open_checkpoint(path).weights.get("model.layers.0.input_layernorm.weight")
+    assert len(calls) == 2 and np.all(changed == 2.0)
+
+
 def test_gguf_store_quantized(tmp_path: Path) -> None:
     from gguf import GGMLQuantizationType as T
     from gguf.quants import quantize

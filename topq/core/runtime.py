@@ -22,6 +22,7 @@ from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.core.stages import stage_window
 from topq.core.target import Executor
+from topq.core.threads import blas_threads, threads_for
 
 NEG_INF = np.float32(-np.inf)
 #: recurrent models: how many feeds' states a session keeps for going back (the latest ones: a chat re-renders
@@ -166,7 +167,8 @@ class Session:
         return logits if all_logits else logits[-1]
 
     def _logits_rows(self, hidden: np.ndarray, count: int) -> np.ndarray:
-        rows = [self._run("lm_head", [np.ascontiguousarray(hidden[:, i:i + 1])])[0][0, 0] for i in range(count)]
+        with blas_threads(threads_for(1)):  # lm_head runs one position per call
+            rows = [self._run("lm_head", [np.ascontiguousarray(hidden[:, i:i + 1])])[0][0, 0] for i in range(count)]
         return np.stack(rows)
 
     def _padded(self, chunk: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -200,14 +202,15 @@ class Session:
 
     def _prefill(self, chunk: Sequence[int]) -> np.ndarray:
         ids, positions = self._padded(chunk, self.max_input_length)
-        (hidden,) = self._run("embedding", [ids])
-        for layer in range(self.spec.num_layers):
-            if self.state_shapes[layer]:
-                hidden, *self.states[layer] = self._run(f"block_{layer}", [hidden, positions,
-                                                                           self._valid(len(chunk))])
-                continue
-            hidden, k, v = self._run(f"block_{layer}", [hidden, positions])
-            self._store_kv(layer, k, v, len(chunk))
+        with blas_threads(threads_for(self.max_input_length)):  # products of max_input_length rows (padded)
+            (hidden,) = self._run("embedding", [ids])
+            for layer in range(self.spec.num_layers):
+                if self.state_shapes[layer]:
+                    hidden, *self.states[layer] = self._run(f"block_{layer}", [hidden, positions,
+                                                                               self._valid(len(chunk))])
+                    continue
+                hidden, k, v = self._run(f"block_{layer}", [hidden, positions])
+                self._store_kv(layer, k, v, len(chunk))
         self.tokens.extend(chunk)
         return hidden
 
@@ -215,16 +218,17 @@ class Session:
         L, S = self.max_input_length, self.seq_length
         ids, positions = self._padded(chunk, L)
         masks = {w: self._history_mask(S, L, w) for w in set(self.windows)}
-        (hidden,) = self._run("embedding", [ids])
-        for layer in range(self.spec.num_layers):
-            if self.state_shapes[layer]:
-                hidden = self._recurrent_block(f"block_kv_{layer}", layer, [hidden, positions,
-                                                                             self._valid(len(chunk))])
-                continue
-            hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, masks[self.windows[layer]],
-                                                           self._kv(self.k_cache, layer),
-                                                           self._kv(self.v_cache, layer)])
-            self._store_kv(layer, k, v, len(chunk))
+        with blas_threads(threads_for(L)):
+            (hidden,) = self._run("embedding", [ids])
+            for layer in range(self.spec.num_layers):
+                if self.state_shapes[layer]:
+                    hidden = self._recurrent_block(f"block_kv_{layer}", layer, [hidden, positions,
+                                                                                 self._valid(len(chunk))])
+                    continue
+                hidden, k, v = self._run(f"block_kv_{layer}", [hidden, positions, masks[self.windows[layer]],
+                                                               self._kv(self.k_cache, layer),
+                                                               self._kv(self.v_cache, layer)])
+                self._store_kv(layer, k, v, len(chunk))
         self.tokens.extend(chunk)
         return hidden
 
@@ -258,15 +262,16 @@ class Session:
         ids = np.array([[token]], np.int32)
         positions = np.array([[history]], np.int32)
         masks = {w: self._history_mask(variant, 1, w) for w in set(self.windows)}
-        (hidden,) = self._run("embedding_cache", [ids])
-        for layer in range(self.spec.num_layers):
-            if self.state_shapes[layer]:  # no history to size: the one decode function
-                hidden = self._recurrent_block(f"block_cache_{layer}", layer, [hidden, positions])
-                continue
-            hidden, k, v = self._run(f"block_cache_{layer}{suffix}", [
-                hidden, positions, masks[self.windows[layer]], self._kv(self.k_cache, layer)[:, :variant],
-                self._kv(self.v_cache, layer)[:, :variant]])
-            self._store_kv(layer, k, v, 1)
+        with blas_threads(threads_for(1)):  # one token: matrix-vector products, where threads only wait
+            (hidden,) = self._run("embedding_cache", [ids])
+            for layer in range(self.spec.num_layers):
+                if self.state_shapes[layer]:  # no history to size: the one decode function
+                    hidden = self._recurrent_block(f"block_cache_{layer}", layer, [hidden, positions])
+                    continue
+                hidden, k, v = self._run(f"block_cache_{layer}{suffix}", [
+                    hidden, positions, masks[self.windows[layer]], self._kv(self.k_cache, layer)[:, :variant],
+                    self._kv(self.v_cache, layer)[:, :variant]])
+                self._store_kv(layer, k, v, 1)
         self.tokens.append(token)
         return hidden
 

@@ -255,6 +255,44 @@ def _tokenizer_files(path: Path, reader: Any) -> dict[str, str]:
     return tokenizer_files_of(tokenizer)
 
 
+class _Parsed:
+    """A GGUF file's reader and, once asked for, its converted tokenizer files."""
+
+    def __init__(self, path: Path, reader: Any) -> None:
+        self.path, self.reader = path, reader
+        self._tokenizer: tuple[Any, dict[str, str]] | None = None  # (the converter that made it, its files)
+
+    def tokenizer_files(self) -> dict[str, str]:
+        convert = _tokenizer_files  # looked up now: a replaced converter (a test's stand-in) is not served stale
+        if self._tokenizer is None or self._tokenizer[0] is not convert:
+            self._tokenizer = (convert, convert(self.path, self.reader))
+        return dict(self._tokenizer[1])
+
+
+_PARSED: dict[tuple[str, int, str], _Parsed] = {}
+_PARSED_KEEP = 2  # files whose parsed metadata this process keeps
+
+
+def _parsed(path: Path) -> _Parsed:
+    """The parsed metadata of `path`, once per process and file content.
+
+    gguf's reader builds every metadata field eagerly and transformers' tokenizer conversion reads the file
+    again: ~15 s each for SmolLM2's 49k-entry vocabulary and merges, paid by every conversion (benchmark rows,
+    test fixtures) although the file never changes. The key is the file's content digest (≈0.2 s for 100 MB),
+    so a file rewritten in place, even to the same size within one clock tick, is parsed anew."""
+    import hashlib
+
+    with path.open("rb") as fh:
+        digest = hashlib.file_digest(fh, "blake2b").hexdigest()
+    key = (str(path.resolve()), path.stat().st_size, digest)
+    if key not in _PARSED:
+        parsed = _Parsed(path, _read(path))
+        while len(_PARSED) >= _PARSED_KEEP:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[key] = parsed
+    return _PARSED[key]
+
+
 def detect(path: Path) -> bool:
     """A file that starts with the GGUF magic."""
     path = Path(path)
@@ -272,7 +310,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
     path = Path(path)
     if not path.is_file():
         raise TopqError(f"gguf checkpoint: no such file {path}")
-    reader = _read(path)
+    parsed = _parsed(path)
+    reader = parsed.reader
     arch = _field(reader, "general.architecture")
     if arch not in _ARCHITECTURES:
         raise TopqError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
@@ -281,7 +320,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     weights = GGUFStore(path, reader, _entries(reader, config, arch, path))
     config["topq_gguf_dequantized"] = weights.dequantized_types()  # GGML types with no exact repack: warn
     return Checkpoint(path=path, format="gguf", config=config, weights=weights,
-                      tokenizer_files=_tokenizer_files(path, reader))
+                      tokenizer_files=parsed.tokenizer_files())
 
 
 FORMAT = CheckpointFormat("gguf", detect, open_checkpoint)

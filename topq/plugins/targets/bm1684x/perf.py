@@ -16,8 +16,9 @@ The model (docs/perf.md has the derivation and the calibration):
   `max(compute, DMA) + per-group overhead` (DMA and compute overlap by double buffering); a function
   call adds a launch overhead.
 * **Multi-core** (bm1688): every op is split across `spec.cores` cores — matmuls along N, attention by
-  heads, elementwise by elements; each core has its own `ddr_bandwidth` and reads the whole input
-  activation of a matmul.
+  heads, elementwise by elements; each core reads the whole input activation of a matmul. The cores share
+  one DDR interface (`ddr_bandwidth`) and each core's DMA engine moves at most `dma_bandwidth`: a group's
+  DMA time is the larger of one core's bytes at its engine's rate and all cores' bytes at the interface's.
 
 One `Calibration` (efficiencies, overheads, DDR fraction) holds for every model and chip of the family.
 """
@@ -485,7 +486,8 @@ def estimate_function(function: Function, chip: ChipSpec | str, mode: QuantMode 
     """
     spec = SPECS[chip] if isinstance(chip, str) else chip
     est = _Estimator(function, spec, _as_mode(mode), _as_mode(lm_head_mode), cal)
-    bandwidth = spec.ddr_bandwidth * cal.ddr_eff
+    # per-core bytes/s: one core's DMA engine, or its share of the DDR interface the cores stream through at once
+    bandwidth = min(spec.dma_bandwidth or spec.ddr_bandwidth, spec.ddr_bandwidth / est.cores) * cal.ddr_eff
     # Top level only: a DSLRegion's kernel IR is costed by the region (_cost_DSLRegion), not op by op.
     ops = [op for op in function.ops if _kind(op) not in ("Weight", "Input")]
     group_of = _groups(ops)
@@ -631,7 +633,7 @@ def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, c
     ftl = sum(prefill.values()) + kv_s
     full = prog.decode(st.seq_length)
     by_context = {c: prog.decode(c) for c in prog.variants}
-    bandwidth = chip.ddr_bandwidth * max(1, chip.cores)
+    bandwidth = chip.ddr_bandwidth  # the interface all cores share
     family = _family(prog.spec)
     kv_layers = sum(1 for i in prog.layers() if not family.states_of(prog.spec, i))
     state_bytes = sum(math.prod(s.shape) for i in prog.layers() for s in family.states_of(prog.spec, i)) * STATE_BYTES

@@ -15,12 +15,13 @@ class ChipSpec:
     local_mem_banks: int
     eu_bytes: int  # bytes one execution unit processes per cycle per lane
     peak_ops: dict[str, float]  # per core: ops/s by compute dtype (bf16, f16, int8, f32); a MAC is 2 ops
-    ddr_bandwidth: float  # bytes/s per core (read)
+    ddr_bandwidth: float  # bytes/s of the DDR interface, shared by all cores
     clock_hz: float
     dma_align: int  # bytes: DMA burst alignment
     global_align: int  # bytes: alignment of global (DDR) tensors
     ddr_size: int  # bytes
     cores: int = 1
+    dma_bandwidth: float | None = None  # bytes/s one core's DMA engine moves at most (None: ddr_bandwidth)
     notes: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -48,15 +49,23 @@ BM1688 = ChipSpec(
     local_mem_per_lane=128 * KiB,
     local_mem_banks=16,
     eu_bytes=16,
-    # Per core (2 cores). Public figures: 16 TOPS INT8 for the chip; BF16/F16 at half the INT8 rate.
-    peak_ops={"bf16": 4.0e12, "f16": 4.0e12, "int8": 8.0e12, "f32": 0.5e12},
-    ddr_bandwidth=24e9,
-    clock_hz=1e9,
+    # Per core, from the cube's width at the TIU clock, as for BM1684X (64 lanes x 64 IC x 4 OHOW int8 MACs per
+    # cycle = 32.8 TOPS at 1 GHz): 32 lanes x 32 IC x 4 OHOW int8 MACs x 2 ops x 0.9 GHz = 7.37 TOPS, 16-bit at
+    # half the IC parallelism, f32 at 1/16 (the BM1684X ratio).
+    peak_ops={"bf16": 3.69e12, "f16": 3.69e12, "int8": 7.37e12, "f32": 0.46e12},
+    ddr_bandwidth=4266e6 * 8,  # one 64-bit LPDDR4X interface at 4266 MT/s for both cores: 34.1 GB/s
+    clock_hz=0.9e9,
     dma_align=512,
     global_align=4096,
     ddr_size=8 * GiB,
     cores=2,
-    notes={"ddr_bandwidth": "simulation default: ~24 GB/s DDR read per core"},
+    dma_bandwidth=32e9,
+    notes={
+        "source": "TPU-MLIR 1.30 python/profile_helper/bm1688_defs.py (DMA_ARCH: 2 cores, 32 NPUs, 64-bit bus, "
+                  "DDR 4266 MHz, DDR max 32 GB/s per core, TIU 900 MHz, GDMA 750 MHz) and python/utils/tpu_info.py "
+                  "(ic_parallel 32, eu_bytes 16, 128 KiB local memory per lane)",
+        "ddr_bandwidth": "the two cores share one DDR interface; each core's DMA alone reaches 32 GB/s",
+    },
 )
 
 SPECS: dict[str, ChipSpec] = {spec.name: spec for spec in (BM1684X, BM1688)}

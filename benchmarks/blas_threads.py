@@ -1,0 +1,134 @@
+"""Decode speed with BLAS threads chosen per call vs OpenBLAS's default threads, idle and under load, next to
+transformers (float32, eager, torch's default threads), all in one process.
+
+    cd /work/main && python -m benchmarks.blas_threads --dir /tmp/bench            # idle + 2 busy processes
+    cd /work/main && python -m benchmarks.blas_threads --dir /tmp/bench --load 3 --tokens 24 --json
+
+Settings: `per-call` is topq's default (`TOPQ_BLAS_THREADS=auto`: decode single-threaded, prefill at the
+library's default); `fixed` runs every call at the library's default thread count (`TOPQ_BLAS_THREADS=N`, what
+topq did before). `--load N` starts N busy-looping processes for the loaded rows (the situation of a shared
+machine). The table prints tokens/s and loaded / idle per runtime; the kernel line says which BLAS ran (library,
+version, the core type OpenBLAS chose, OPENBLAS_CORETYPE if the environment forces one). Do not set
+OPENBLAS_NUM_THREADS: the point is the library's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.emulator_decode import PROMPT, bundle_for, summary, time_session, time_transformers  # noqa: E402
+
+
+def _spin(stop: Any) -> None:
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
+
+
+@contextmanager
+def busy(processes: int) -> Iterator[None]:
+    """`processes` CPU-bound processes for the duration of the block."""
+    stop = multiprocessing.Event()
+    workers = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(processes)]
+    for w in workers:
+        w.start()
+    time.sleep(0.5)  # let them reach the scheduler
+    try:
+        yield
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=5)
+
+
+@contextmanager
+def topq_threads(value: str) -> Iterator[None]:
+    from topq.core.threads import ENV
+
+    old = os.environ.get(ENV)
+    os.environ[ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", type=Path, help="where bundles are written / reused (default: a temp dir)")
+    p.add_argument("--tokens", type=int, default=16, help="timed decode steps per run (default 16)")
+    p.add_argument("--load", type=int, default=2, help="busy processes for the loaded rows (default 2)")
+    p.add_argument("--skip-emulator", action="store_true", help="time only the host runtime and transformers")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        print("note: OPENBLAS_NUM_THREADS is set; the 'fixed' rows use it as the library's default", file=sys.stderr)
+
+    import torch
+
+    from topq.core.bundle import Bundle
+    from topq.core.threads import kernel_info, max_threads
+    from topq.plugins.targets.bm1684x import open_bundle
+    from topq.plugins.targets.bm1684x.spec import BM1684X
+
+    directory = args.dir or Path(tempfile.mkdtemp(prefix="topq-threads-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    host = Bundle(bundle_for(directory, "host", "f32"))
+    runtimes: dict[str, Callable[[list[int]], dict[str, Any]]] = {
+        "topq host f32": lambda prompt: time_session(host, prompt, args.tokens)}
+    if not args.skip_emulator:
+        emu = Bundle(bundle_for(directory, "bm1684x", "w4bf16"))
+        runtimes["topq emulator w4bf16"] = lambda prompt: time_session(
+            emu, prompt, args.tokens, open_bundle(emu, BM1684X, checker=False))
+    tok = host.tokenizer
+    prompt = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+    default = max_threads()
+    rows: list[dict[str, Any]] = []
+    for load in (0, args.load):
+        with busy(load):
+            for name, run in runtimes.items():
+                for setting, value in (("per-call", "auto"), ("fixed", str(default))):
+                    with topq_threads(value):
+                        result = run(prompt)
+                    rows.append({"runtime": name, "setting": setting, "load": load, **summary(result["times"])})
+            result = time_transformers(prompt, args.tokens)
+            rows.append({"runtime": "transformers f32 eager", "setting": f"torch {torch.get_num_threads()} threads",
+                         "load": load, **summary(result["times"])})
+    idle = {(r["runtime"], r["setting"]): r["tokens_per_s"] for r in rows if r["load"] == 0}
+    for r in rows:
+        r["loaded_over_idle"] = round(r["tokens_per_s"] / idle[(r["runtime"], r["setting"])], 3)
+    report = {"kernel": kernel_info(), "blas_default_threads": default, "cpus": os.cpu_count(),
+              "loadavg_before": os.getloadavg(), "tokens": args.tokens, "rows": rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for k in report["kernel"]:
+        print(f"kernel: {k['internal_api']} {k['version']} core type {k['architecture']} "
+              f"(OPENBLAS_CORETYPE={k['OPENBLAS_CORETYPE']}), default {default} threads, {os.cpu_count()} CPUs")
+    print(f"{'runtime':<24}{'setting':<18}{'load':>5}{'tok/s':>9}{'ms/token':>10}{'loaded/idle':>13}")
+    for r in rows:
+        print(f"{r['runtime']:<24}{r['setting']:<18}{r['load']:>5}{r['tokens_per_s']:>9.2f}{r['ms_per_token']:>10.2f}"
+              f"{r['loaded_over_idle']:>13.3f}")
+    print(f"load average at the end: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""Quantization speed and memory next to quality: GPTQ act-order, AWQ, AutoRound, int8 mixed precision on
+SmolLM2-135M, one table (method, tool, perplexity, seconds, peak RSS).
+
+    cd /work/main && python -m benchmarks.quant_speed                                    # the issue's setting
+    cd /work/main && python -m benchmarks.quant_speed --samples 4 --seq-len 256 --eval-windows 1 --iters 20
+
+Setting (shared with benchmarks/quant_quality.py): calibration `--samples` × `--seq-len` tokens of
+00_EMMA.txt, perplexity on the first `--eval-windows` × `--window` tokens of 03_Persuasion.txt, 4-bit group 64
+asymmetric, lm_head bf16; int8 mixed precision with a perplexity budget of 1.05 × float on held-out
+calibration text. Each conversion runs in a child process of its own: "seconds" is its wall time (model read,
+calibration, solve, bundle), "peak RSS" the child's `ru_maxrss` from `wait4`; perplexity is measured after, in
+this process, on the bundle.
+
+Peers: llm-compressor (GPTQ, AWQ) and auto-round are run only when importable in this Python; they are not
+topq's dependencies and are not installed by it. When absent their rows say so (`not installed`).
+The kernel line says which BLAS ran; note the load average printed beside the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.quant_quality import add_setting_arguments, build_recipe  # noqa: E402
+
+#: row key → (method, scheme, extra quant options); AutoRound's steps come from --iters
+ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gptq": ("GPTQ act-order", "gptq", {"act_order": True}),
+    "awq": ("AWQ (scale + clip)", "awq", {"clip": True}),
+    "autoround": ("AutoRound", "autoround", {}),
+    "int8": ("INT8 mixed precision (budget 1.05)", "int8", {"observer": "minmax", "budget": 1.05}),
+}
+PEERS = {"gptq": ("llm-compressor", "llmcompressor"), "awq": ("llm-compressor", "llmcompressor"),
+         "autoround": ("auto-round", "auto_round")}
+
+
+def convert_one(args: argparse.Namespace) -> int:
+    """Child: convert one row's bundle (`--one KEY --out PATH`)."""
+    from topq.core.pipeline import convert
+
+    _, scheme, quant = ROWS[args.one]
+    quant = dict(quant)
+    if scheme == "autoround":
+        quant["iters"] = args.iters
+    if scheme == "int8":
+        quant["table"] = str(Path(args.out).with_suffix(".table.yaml"))
+    convert(build_recipe(args, scheme, Path(args.out), **quant), progress=False)
+    return 0
+
+
+def run_child(args: argparse.Namespace, key: str, out: Path) -> dict[str, Any]:
+    """Convert in a child process; its wall time and peak RSS (MiB)."""
+    argv = [sys.executable, "-m", "benchmarks.quant_speed", "--one", key, "--out", str(out),
+            *(f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+              if name in SETTING and value is not None)]
+    started = time.perf_counter()
+    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert child.stderr is not None
+    err = child.stderr.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - started
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        raise SystemExit(f"{key}: conversion failed ({child.returncode}):\n{err.decode(errors='replace')[-2000:]}")
+    return {"seconds": round(seconds, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}  # ru_maxrss is KiB
+
+
+SETTING = ("model", "calibration", "eval_text", "samples", "seq_len", "seed", "eval_windows", "window", "iters")
+
+
+def eval_ids(args: argparse.Namespace, bundle: Any) -> list[int]:
+    needed = args.eval_windows * args.window
+    text = args.eval_text.read_text(encoding="utf-8")
+    ids = list(bundle.tokenizer(text[:needed * 8], add_special_tokens=False)["input_ids"][:needed])
+    if len(ids) < needed:
+        raise SystemExit(f"{args.eval_text}: only {len(ids)} tokens, need {needed}")
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_setting_arguments(p)
+    p.add_argument("--iters", type=int, default=200, help="AutoRound steps (default 200)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
+    p.add_argument("--out-dir", type=Path, help="keep bundles here (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--one", choices=sorted(ROWS), help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.bits, args.group_size = 4, 64  # the issue's setting (build_recipe reads them)
+    if args.one:
+        return convert_one(args)
+
+    from topq.core.bundle import Bundle
+    from topq.core.runtime import perplexity
+    from topq.core.threads import kernel_info
+
+    keys = [k for k in args.rows.split(",") if k]
+    unknown = sorted(set(keys) - set(ROWS))
+    if unknown:
+        p.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    tmp = tempfile.TemporaryDirectory(prefix="topq-qs-")
+    out_dir = args.out_dir or Path(tmp.name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    ids: list[int] | None = None
+    for key in keys:
+        method = ROWS[key][0] + (f" ({args.iters} steps)" if key == "autoround" else "")
+        out = out_dir / f"{key}.topq"
+        measured = run_child(args, key, out)
+        bundle = Bundle(out)
+        ids = ids or eval_ids(args, bundle)
+        ppl, _ = perplexity(bundle, ids, window=args.window)
+        rows.append({"method": method, "tool": "topq", "perplexity": round(ppl, 3), **measured})
+        print(f"{method:<40} topq  ppl {ppl:8.3f}  {measured['seconds']:8.1f} s  {measured['peak_rss_mib']:8.1f} MiB",
+              file=sys.stderr, flush=True)
+        if key in PEERS:
+            tool, module = PEERS[key]
+            if importlib.util.find_spec(module) is None:
+                rows.append({"method": method, "tool": tool, "perplexity": None, "seconds": None,
+                             "peak_rss_mib": None, "note": "not installed"})
+            else:  # a peer runner needs the transformers model from the GGUF and the same windows: not written yet
+                rows.append({"method": method, "tool": tool, "perplexity": None, "seconds": None,
+                             "peak_rss_mib": None, "note": "installed, but this benchmark has no runner for it"})
+    report = {"setting": {name: str(getattr(args, name)) for name in SETTING}, "kernel": kernel_info(),
+              "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "rows": rows}
+    tmp.cleanup()
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for k in report["kernel"]:
+        print(f"kernel: {k['internal_api']} {k['version']} core type {k['architecture']} "
+              f"(OPENBLAS_CORETYPE={k['OPENBLAS_CORETYPE']}), {k['num_threads']} threads")
+    print(f"SmolLM2-135M, calibration {args.samples} x {args.seq_len} EMMA, eval {args.eval_windows} x {args.window} "
+          f"Persuasion, w4 g64 asym; load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+    print(f"| {'method':<40} | {'tool':<14} | perplexity | seconds | peak RSS MiB |")
+    print(f"|{'-' * 42}|{'-' * 16}|-----------:|--------:|-------------:|")
+    for r in rows:
+        if r["perplexity"] is None:
+            print(f"| {r['method']:<40} | {r['tool']:<14} | {r['note']:>34} |              |")
+            continue
+        print(f"| {r['method']:<40} | {r['tool']:<14} | {r['perplexity']:10.3f} | {r['seconds']:7.1f} | "
+              f"{r['peak_rss_mib']:12.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -158,8 +158,8 @@ SCHEMES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def convert_to(d: Path, chip: str, quant: dict[str, Any], name: str) -> tuple[Bundle, Any]:
-    recipe = recipe_from_defaults(model={"path": str(d)}, target={"chip": chip}, stages=STAGES,
+def convert_to(d: Path, chip: str, quant: dict[str, Any], name: str, **target: Any) -> tuple[Bundle, Any]:
+    recipe = recipe_from_defaults(model={"path": str(d)}, target={"chip": chip, **target}, stages=STAGES,
                                   output={"path": str(d / f"{name}_{chip}.topq")}, quant=quant)
     convert(recipe, progress=False)
     return Bundle(d / f"{name}_{chip}.topq"), recipe
@@ -201,17 +201,49 @@ def test_quantized_tiny_models_match_the_host(tiny: dict[str, Path], case: str) 
     assert tokens[0] == tokens[1]
 
 
-def test_accuracy_level_4_runs_int8_activations_close_to_level_0(tiny: dict[str, Path],
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def matmulnbits_levels(bundle: Bundle) -> set[int]:
+    import onnx
+
+    graph = onnx.load_from_string(bytes(bundle.tensor(bundle.meta["target_meta"]["functions"]["block_0"]["graph"])))
+    return {helper.get_attribute_value(a) for n in graph.graph.node if n.op_type == "MatMulNBits"
+            for a in n.attribute if a.name == "accuracy_level"}
+
+
+def test_accuracy_level_is_a_target_option(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`target.accuracy_level: 4` (int8 activations in MatMulNBits) is compiled into the graphs: close to the
+    default level 0, not equal; TOPQ_ONNX_ACCURACY_LEVEL sets another level when a bundle is opened."""
     d = tiny["llama"]
-    bundle, _ = convert_to(d, "onnx", {"scheme": "w4bf16", "group_size": 32}, "level")
-    exact = Session(bundle).feed(IDS, all_logits=True)
-    monkeypatch.setenv("TOPQ_ONNX_ACCURACY_LEVEL", "4")
-    int8 = Session(bundle).feed(IDS, all_logits=True)
+    quant = {"scheme": "w4bf16", "group_size": 32}
+    exact_bundle, _ = convert_to(d, "onnx", quant, "level0")
+    int8_bundle, _ = convert_to(d, "onnx", quant, "level4", accuracy_level=4)
+    assert (matmulnbits_levels(exact_bundle), matmulnbits_levels(int8_bundle)) == ({0}, {4})
+    assert int8_bundle.meta["target_meta"]["accuracy_level"] == 4
+    exact = Session(exact_bundle).feed(IDS, all_logits=True)
+    int8 = Session(int8_bundle).feed(IDS, all_logits=True)
     assert 0 < float(np.abs(int8 - exact).max()) < 0.1 * float(np.abs(exact).max())
+    monkeypatch.setenv("TOPQ_ONNX_ACCURACY_LEVEL", "0")
+    np.testing.assert_array_equal(Session(int8_bundle).feed(IDS, all_logits=True), exact)
     monkeypatch.setenv("TOPQ_ONNX_ACCURACY_LEVEL", "7")
     with pytest.raises(TopqError, match="TOPQ_ONNX_ACCURACY_LEVEL must be one of 0, 1, 2, 3, 4"):
-        Session(bundle)
+        Session(exact_bundle)
+
+
+@pytest.mark.parametrize(("chip", "level", "message"), [
+    ("onnx", "5", "target.accuracy_level: must be at most 4, got 5"),
+    ("onnx", "fast", "target.accuracy_level: expected an integer, got 'fast'"),
+    ("host", "4", "target.accuracy_level = 4 does not apply to target host"),
+])
+def test_a_bad_accuracy_level_is_one_error_line(tiny: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                chip: str, level: str, message: str) -> None:
+    d = tiny["llama"]
+    recipe = d / "level.yaml"
+    out = d / f"level_{chip}_{level}.topq"
+    recipe.write_text(f"model: {{path: {d}}}\nquant: {{scheme: w4bf16, group_size: 32}}\ntarget: {{chip: {chip}}}\n"
+                      f"stages: {{seq_length: 64, max_input_length: 16}}\noutput: {{path: {out}}}\n")
+    code = cli.main(["convert", str(recipe), "--set", f"target.accuracy_level={level}"])
+    err = capsys.readouterr().err
+    assert code != 0 and err.count("\n") == 1 and message in err, err
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------------ refusals

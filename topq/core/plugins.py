@@ -43,6 +43,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.raw.plugin",
     "topq.plugins.targets.onnx",
     "topq.plugins.exporters.tpu_mlir",
+    "topq.plugins.exporters.onnx_genai",
 )
 
 #: hook name → registry kind

@@ -87,8 +87,8 @@ def export(request: ExportRequest) -> dict[str, Any]:
     import onnx
     from onnx import numpy_helper
 
-    from topq.plugins.targets.onnx.lowering import check_model
     from topq.plugins.exporters.onnx_genai.decoder import build_decoder
+    from topq.plugins.targets.onnx.lowering import check_model
 
     model, values = build_decoder(bundle)
     check_model(model)

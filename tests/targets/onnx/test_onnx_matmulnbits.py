@@ -308,7 +308,7 @@ def stored_linear_weight(bundle: Bundle, name: str) -> np.ndarray:
 def test_auto_imports_keep_the_checkpoint_values(tiny: dict[str, Path], tmp_path: Path, fmt: str) -> None:
     """`quant.scheme: auto` on GPTQ (asymmetric, act-order), AWQ and compressed-tensors (symmetric) checkpoints:
     the weight ORT multiplies by is the checkpoint's own dequantized weight."""
-    from test_quantized_import import write_quantized_llama
+    from quantized_writers import write_quantized_llama
 
     qdir = tmp_path / fmt
     dequantized = write_quantized_llama(tiny["llama"], qdir, fmt)

@@ -22,7 +22,7 @@ from topq.core.errors import TopqError, UnknownNameError
 from topq.core.exporter import Exporter
 from topq.core.family import ModelFamily
 from topq.core.quant import Option, QuantScheme, merge_options
-from topq.core.target import Target, merge_target_options
+from topq.core.target import CORE_TARGET_KEYS, Target
 from topq.ir.extension import IRExtension, KernelSubstitution, install_extension
 
 BUILTIN_PLUGINS: tuple[str, ...] = (
@@ -190,7 +190,7 @@ def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
             impl.function(register=_registrar(registry, kind, info[impl.plugin_name]))
     # Two schemes declaring one option differently stop here, when plugins load, not when a recipe is read.
     plugins.scheme_options = merge_options(plugins.schemes)
-    plugins.target_options = merge_target_options(plugins.targets)
+    plugins.target_options = merge_options(plugins.targets, CORE_TARGET_KEYS, "target", "target")
     for extension in plugins.ir_extensions:  # their ops and kernels are needed from here on
         install_extension(extension)
     return plugins

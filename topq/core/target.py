@@ -111,21 +111,6 @@ class Target:
 CORE_TARGET_KEYS = ("chip", "checker")
 
 
-def merge_target_options(targets: Iterable[Target]) -> tuple[Option, ...]:
-    """Every target's options, each once; two targets may share an option only with the same declaration."""
-    merged: dict[str, tuple[Option, str]] = {}
-    for target in targets:
-        for option in target.options:
-            if option.name in CORE_TARGET_KEYS:
-                raise TopqError(f"target {target.name!r}: option {option.name!r} is a core target key")
-            seen = merged.get(option.name)
-            if seen is None:
-                merged[option.name] = (option, target.name)
-            elif seen[0] != option:
-                raise TopqError(f"targets {seen[1]!r} and {target.name!r} declare option {option.name!r} differently")
-    return tuple(option for option, _ in merged.values())
-
-
 def check_target_options(target: Target, section: Mapping[str, Any], declared: Iterable[Option]) -> None:
     """Refuse, before any work, a `target.<option>` set away from its default that the chosen target does not
     read (e.g. onnx's `accuracy_level` with `chip: host`): it would change nothing."""

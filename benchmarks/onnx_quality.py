@@ -1,8 +1,8 @@
 """Perplexity of SmolLM2-135M W4 g64 asymmetric on the onnx target (each MatMulNBits accuracy level) vs the host.
 
 The same windows as `topq eval --window 512`: the first `--windows` × 512 tokens of Persuasion, each window
-independent. Measured 2026-12-01 (4 windows, 2044 predicted tokens): host 48.909, onnx accuracy_level 0 48.886
-(-0.05 %), accuracy_level 4 49.069 (+0.33 %).
+independent. Measured 2026-12-01 (4 windows, 2044 predicted tokens): host 48.8856, onnx accuracy_level 0 48.8856
+(0.0 %), accuracy_level 4 49.0689 (+0.375 %).
 
     python -m benchmarks.onnx_quality                     # 4 windows, levels 0 and 4
     python -m benchmarks.onnx_quality --levels 0 1 4 --bundles out/ --json

@@ -228,7 +228,7 @@ def test_w4_rtn_conversion_quantizes_the_split_linears(phi3: tuple[Any, Path], f
     qkv = model.model.layers[0].self_attn.qkv_proj.weight.detach().numpy()
     for name, rows in (("q_proj", qkv[:64]), ("v_proj", qkv[96:])):
         stored = np.asarray(bundle.tensor(f"model.layers.0.self_attn.{name}.weight"), dtype=np.float32)
-        expected = round_to_dtype(scheme.quantize(rows, w4.to_dict()["quant"]).dequantize(), "bf16")
+        expected = scheme.quantize(rows, w4.to_dict()["quant"]).dequantize()  # the host stores it exactly
         np.testing.assert_array_equal(stored, expected)
         assert not np.array_equal(stored, round_to_dtype(rows, "bf16"))  # really quantized
     ids = prompt(9, seed=3)

@@ -365,18 +365,25 @@ def plugins(as_json: bool) -> None:
     schemes = {s.name: [{"name": o.name, "type": o.spec.type, "default": o.spec.default, "doc": o.spec.help,
                          "choices": list(o.spec.choices), "nullable": o.spec.nullable} for o in s.options]
                for s in loaded.schemes}
+    targets = {t.name: [{"name": o.name, "type": o.spec.type, "default": o.spec.default, "doc": o.spec.help}
+                        for o in t.options] for t in loaded.targets}
     if as_json:
-        _emit_json({"plugins": rows, "scheme_options": schemes})
+        _emit_json({"plugins": rows, "scheme_options": schemes, "target_options": targets})
         return
     for info in loaded.info:
         click.echo(f"{info.name}  ({info.source})")
         for kind, names in info.registered.items():
             click.echo(f"    {kind}: {', '.join(names)}")
-    click.echo("scheme options (quant.<name>):")
-    for scheme, options in schemes.items():
+    _echo_options("scheme options (quant.<name>):", schemes)
+    _echo_options("target options (target.<name>):", targets)
+
+
+def _echo_options(title: str, owners: dict[str, list[dict[str, Any]]]) -> None:
+    click.echo(title)
+    for owner, options in owners.items():
         if options:
-            click.echo(f"    {scheme}: " + ", ".join(f"{o['name']} ({o['type']}, default {_yaml_value(o['default'])})"
-                                             for o in options))
+            click.echo(f"    {owner}: " + ", ".join(f"{o['name']} ({o['type']}, default {_yaml_value(o['default'])})"
+                                            for o in options))
 
 
 def _yaml_value(value: Any) -> str:

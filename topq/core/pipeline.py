@@ -38,7 +38,7 @@ from topq.core.plugins import Plugins, get_plugins
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct, resolve_group_size
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, layer_carries, rope_weights
-from topq.core.target import CompileJob, Target
+from topq.core.target import CompileJob, Target, check_target_options
 from topq.ir.analysis import linear_weight_names  # re-exported: callers import it from here
 from topq.ir.graph import Module
 from topq.ir.printer import print_function
@@ -253,6 +253,7 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor
     scheme = plugins.schemes.get(recipe.quant.scheme)
     target = plugins.targets.get(recipe.target.chip)
     options = recipe.to_dict()["quant"]
+    check_target_options(target, recipe.to_dict()["target"], plugins.target_options)
     product = scheme.produces(options)
     lm_head = plugins.schemes.get(recipe.quant.lm_head)
     check_target_product(target, product, lm_head.produces(options))

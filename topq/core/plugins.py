@@ -22,7 +22,7 @@ from topq.core.errors import TopqError, UnknownNameError
 from topq.core.exporter import Exporter
 from topq.core.family import ModelFamily
 from topq.core.quant import Option, QuantScheme, merge_options
-from topq.core.target import Target
+from topq.core.target import CORE_TARGET_KEYS, Target
 from topq.ir.extension import IRExtension, KernelSubstitution, install_extension
 
 BUILTIN_PLUGINS: tuple[str, ...] = (
@@ -53,6 +53,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "topq.plugins.targets.onnx",
     "topq.plugins.exporters.tpu_mlir",
     "topq.plugins.exporters.hf_quantized",
+    "topq.plugins.exporters.onnx_genai",
 )
 
 #: hook name → registry kind
@@ -125,6 +126,8 @@ class Plugins:
     info: list[PluginInfo]
     #: every loaded scheme's recipe options, each once (the recipe schema adds them to the core's keys)
     scheme_options: tuple[Option, ...] = ()
+    #: every loaded target's recipe options (`target.<name>`), each once
+    target_options: tuple[Option, ...] = ()
     ir_extensions: Registry[IRExtension] = field(default_factory=lambda: Registry("IR extension"))
     exporters: Registry[Exporter] = field(default_factory=lambda: Registry("exporter"))
 
@@ -197,6 +200,7 @@ def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
             impl.function(register=_registrar(registry, kind, info[impl.plugin_name]))
     # Two schemes declaring one option differently stop here, when plugins load, not when a recipe is read.
     plugins.scheme_options = merge_options(plugins.schemes)
+    plugins.target_options = merge_options(plugins.targets, CORE_TARGET_KEYS, "target", "target")
     for extension in plugins.ir_extensions:  # their ops and kernels are needed from here on
         install_extension(extension)
     return plugins

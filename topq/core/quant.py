@@ -34,19 +34,22 @@ class Option:
     spec: Field
 
 
-def merge_options(schemes: Iterable[QuantScheme]) -> tuple[Option, ...]:
-    """The options of every scheme, each once, in registration order; a name declared twice differently (or
-    clashing with a core `quant` key) is an error naming both schemes."""
+def merge_options(schemes: Iterable[Any], core_keys: Iterable[str] = CORE_QUANT_KEYS, kind: str = "quant scheme",
+                  section: str = "quant") -> tuple[Option, ...]:
+    """The options of every scheme (or of every target: anything with `name` and `options`), each once, in
+    registration order; a name declared twice differently (or clashing with a core key of the recipe section)
+    is an error naming both."""
     merged: dict[str, tuple[Option, str]] = {}
+    core = set(core_keys)
     for scheme in schemes:
         for option in scheme.options:
-            if option.name in CORE_QUANT_KEYS:
-                raise TopqError(f"quant scheme {scheme.name!r}: option {option.name!r} is a core quant key")
+            if option.name in core:
+                raise TopqError(f"{kind} {scheme.name!r}: option {option.name!r} is a core {section} key")
             seen = merged.get(option.name)
             if seen is None:
                 merged[option.name] = (option, scheme.name)
             elif seen[0] != option:
-                raise TopqError(f"quant schemes {seen[1]!r} and {scheme.name!r} declare option {option.name!r} "
+                raise TopqError(f"{kind}s {seen[1]!r} and {scheme.name!r} declare option {option.name!r} "
                                 f"differently ({_describe(seen[0].spec)} vs {_describe(option.spec)})")
     return tuple(option for option, _ in merged.values())
 

@@ -99,10 +99,15 @@ CORE_SCHEMA: Schema = {
 }
 
 
-def recipe_schema(options: Iterable[tuple[str, Field]]) -> Schema:
+def recipe_schema(options: Iterable[tuple[str, Field]],
+                  target_options: Iterable[tuple[str, Field]] = ()) -> Schema:
     """The core schema with scheme options (name, Field) added to `quant`, after the core keys and before
-    `calibration` (`topq.core.quant.merge_options` has already refused clashes)."""
+    `calibration` (`topq.core.quant.merge_options` has already refused clashes), and target options added to
+    `target` after its core keys."""
     schema = dict(CORE_SCHEMA)
+    core_target = CORE_SCHEMA["target"]
+    assert isinstance(core_target, dict)
+    schema["target"] = {**core_target, **dict(target_options)}
     core_quant = CORE_SCHEMA["quant"]
     assert isinstance(core_quant, dict)
     quant: Schema = {k: v for k, v in core_quant.items() if k != "calibration"}
@@ -117,13 +122,15 @@ _SCHEMAS: dict[tuple[str, ...], Schema] = {}
 
 
 def default_schema() -> Schema:
-    """The schema of the loaded plugins: the core keys plus every scheme's options (built once per set)."""
+    """The schema of the loaded plugins: the core keys plus every scheme's and target's options (built once per
+    set)."""
     from topq.core.plugins import get_plugins  # plugins import schemes, which import recipes: load lazily
 
-    options = get_plugins().scheme_options
-    key = tuple(f"{o.name}={o.spec!r}" for o in options)
+    plugins = get_plugins()
+    options, target_options = plugins.scheme_options, plugins.target_options
+    key = tuple(f"{o.name}={o.spec!r}" for o in options) + tuple(f"target.{o.name}={o.spec!r}" for o in target_options)
     if key not in _SCHEMAS:
-        _SCHEMAS[key] = recipe_schema((o.name, o.spec) for o in options)
+        _SCHEMAS[key] = recipe_schema(((o.name, o.spec) for o in options), ((o.name, o.spec) for o in target_options))
     return _SCHEMAS[key]
 
 

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from topq.core.errors import TopqError
 from topq.ir.types import TensorType
 
 if TYPE_CHECKING:
     from topq.core.bundle import Bundle
     from topq.core.family import ModelSpec
-    from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct
+    from topq.core.quant import Option, QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct
     from topq.ir.graph import Module
 
 
@@ -102,3 +103,19 @@ class Target:
     #: what `topq inspect` adds for this target's bundles (memory map, layer groups, predicted speed): keys merged
     #: into the JSON description, and optional `text_sections` (list of str) printed after the tables
     report: Callable[[Bundle], dict[str, Any]] | None = None
+    #: the recipe options it reads (`target.<name>`, beside `chip`); `compile` finds them in `job.recipe["target"]`
+    options: tuple[Option, ...] = ()
+
+
+#: the keys of the recipe's `target` section that belong to the core, not to a target
+CORE_TARGET_KEYS = ("chip", "checker")
+
+
+def check_target_options(target: Target, section: Mapping[str, Any], declared: Iterable[Option]) -> None:
+    """Refuse, before any work, a `target.<option>` set away from its default that the chosen target does not
+    read (e.g. onnx's `accuracy_level` with `chip: host`): it would change nothing."""
+    own = {o.name for o in target.options}
+    for option in declared:
+        if option.name not in own and section.get(option.name, option.spec.default) != option.spec.default:
+            raise TopqError(f"target.{option.name} = {section[option.name]!r} does not apply to target "
+                            f"{target.name} (it reads: {', '.join(sorted(own)) or 'no options'})")

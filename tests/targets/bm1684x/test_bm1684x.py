@@ -158,11 +158,13 @@ def margins(logits: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize(("chip", "scheme", "margin"), [("bm1684x", "bf16", 1e-2), ("bm1688", "bf16", 1e-2),
-                                                       ("bm1684x", "w8bf16", 1e-2), ("bm1684x", "w4bf16", 0.1)])
+                                                       ("bm1684x", "w8bf16", 2e-2), ("bm1684x", "w4bf16", 0.1)])
 def test_greedy_tokens_match_host(bundle: Callable[..., Bundle], chip: str, scheme: str, margin: float) -> None:
     """Teacher-forced on the host's greedy tokens (same scheme): every step whose host top-2 margin exceeds `margin`
     picks the same token. The prompt (20 tokens) takes a prefill and a prefill_kv; decoding crosses the 32 and 64
-    decode variants. W4 gets a wider margin: its activations differ more once rounded to bf16."""
+    decode variants. W4 gets a wider margin: its activations differ more once rounded to bf16. Quantized weights
+    get a wider one than float: the chip also rounds each dequantized weight to bf16, the host keeps the scheme's
+    exact values."""
     host, bm = Session(bundle("host", scheme, **G64)), Session(bundle(chip, scheme, **G64))
     prompt = [1, 5, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71]
     steps = [(token, logits) for token, logits in host.generate(prompt, 40, stop_ids=[])]

@@ -1,7 +1,11 @@
 """The host target: the reference interpreter in float32. It is the golden reference for other targets.
 
-Weights are stored as float32 after the scheme's rounding (bf16/f16 storage, or dequantized integer
-weights), so a host bundle shows the numerical effect of a scheme without a chip's arithmetic.
+Weights are stored as float32 after the scheme's rounding: float weights rounded to the compute dtype (bf16/f16
+storage), quantized weights as exactly `QuantizedWeight.dequantize()` — the scheme's integers times its scales,
+which are already in the compute dtype. Rounding that product to bf16/f16 again is how a chip materializes the
+weight (the bm1684x emulator does it), not part of the scheme, so a host bundle shows the numerical effect of a
+scheme without a chip's arithmetic, and agrees with runtimes that dequantize in float32 (ONNX Runtime's
+MatMulNBits).
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ def compile_host(job: CompileJob) -> CompiledModel:
     def produce(wanted):  # type: ignore[no-untyped-def]
         for name in wanted:
             quantized = job.quantized(name)
-            array = quantized.dequantize() if quantized is not None else job.weights(name)
-            yield name, round_to_dtype(array, compute_dtype)
+            if quantized is not None:
+                yield name, quantized.dequantize()
+            else:
+                yield name, round_to_dtype(job.weights(name), compute_dtype)
 
     return CompiledModel(program=print_module(job.module), manifest={n: types[n] for n in names}, produce=produce)
 

@@ -304,7 +304,7 @@ def _rope(lw: FunctionLowering, op: Operation) -> list[str]:
     """The reference kernel's formula with standard ops; cos/sin [B, L, R] apply to every head."""
     g = lw.graph
     x = lw.operand(op, 0)
-    b, length, heads, d = op.operands[0].shape
+    heads, d = op.operands[0].shape[2:]
     r = op.operands[1].shape[-1]
     cos = g.one("Unsqueeze", [lw.operand(op, 1), g.ints([2])])
     sin = g.one("Unsqueeze", [lw.operand(op, 2), g.ints([2])])
@@ -323,7 +323,7 @@ def _rope(lw: FunctionLowering, op: Operation) -> list[str]:
         new_odd = g.one("Add", [g.one("Mul", [odd, cos_odd]), g.one("Mul", [even, sin_odd])])
         pairs = g.one("Concat", [g.one("Unsqueeze", [new_even, g.ints([-1])]),
                                  g.one("Unsqueeze", [new_odd, g.ints([-1])])], axis=-1)
-        out = g.one("Reshape", [pairs, g.ints([b, length, heads, r])])
+        out = g.one("Reshape", [pairs, g.ints([0, 0, heads, r])])  # 0: batch and length as they are
     if r < d:
         out = g.one("Concat", [out, _slice_last(g, x, r, d)], axis=-1)
     return [out]

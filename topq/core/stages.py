@@ -36,10 +36,10 @@ import numpy as np
 
 from topq.core.errors import TopqError
 from topq.core.family import LayerState, ModelFamily, ModelSpec
-from topq.core.rope import rope_inv_freq
 from topq.ir.builder import Builder
 from topq.ir.graph import Module, Value
 from topq.ir.reference_ops import rope_tables
+from topq.ir.rope import rope_inv_freq
 from topq.ir.types import tensor
 
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"

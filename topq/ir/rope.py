@@ -11,16 +11,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from topq.core.errors import TopqError
-from topq.core.spec import ModelSpec
+from topq.ir.errors import TopqError
 
-__all__ = ["ROPE_TYPES", "rope_inv_freq", "rope_type"]
+__all__ = ["ROPE_TYPES", "RopeSpec", "rope_inv_freq", "rope_type"]
 
-RopeFn = Callable[[ModelSpec, Mapping[str, Any], int], tuple[np.ndarray, float]]
+
+class RopeSpec(Protocol):
+    """What the frequency schedule reads of a model's configuration (`topq.core.spec.RopeSpec` has it)."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def rope_dim(self) -> int: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+
+RopeFn = Callable[[RopeSpec, Mapping[str, Any], int], tuple[np.ndarray, float]]
 ROPE_TYPES: dict[str, RopeFn] = {}
 F32 = np.float32
 
@@ -32,7 +47,7 @@ def rope_type(name: str) -> Callable[[RopeFn], RopeFn]:
     return register
 
 
-def rope_inv_freq(spec: ModelSpec, seq_length: int | None = None, theta: float | None = None,
+def rope_inv_freq(spec: RopeSpec, seq_length: int | None = None, theta: float | None = None,
                   scaling: Mapping[str, Any] | None = None) -> tuple[np.ndarray, float]:
     """inv_freq and attention scaling of the spec's RoPE (or of `theta`/`scaling` when given: a per-layer RoPE)
     for sequences of up to `seq_length` positions (default: max_position_embeddings)."""
@@ -49,27 +64,27 @@ def rope_inv_freq(spec: ModelSpec, seq_length: int | None = None, theta: float |
     return inv_freq.astype(F32), float(attention_scaling)
 
 
-def _exponents(spec: ModelSpec) -> np.ndarray:
+def _exponents(spec: RopeSpec) -> np.ndarray:
     dim = spec.rope_dim
     return np.arange(0, dim, 2, dtype=np.int64).astype(F32) / F32(dim)
 
 
-def _base_freq(spec: ModelSpec, base: float) -> np.ndarray:
+def _base_freq(spec: RopeSpec, base: float) -> np.ndarray:
     return (F32(1.0) / (F32(base) ** _exponents(spec))).astype(F32)
 
 
 @rope_type("default")
-def _default(spec: ModelSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
+def _default(spec: RopeSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
     return _base_freq(spec, p["rope_theta"]), 1.0
 
 
 @rope_type("linear")
-def _linear(spec: ModelSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
+def _linear(spec: RopeSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
     return _base_freq(spec, p["rope_theta"]) / F32(p["factor"]), 1.0
 
 
 @rope_type("llama3")
-def _llama3(spec: ModelSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
+def _llama3(spec: RopeSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
     inv_freq = _base_freq(spec, p["rope_theta"])
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old_len = p["original_max_position_embeddings"]
@@ -83,7 +98,7 @@ def _llama3(spec: ModelSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.
 
 
 @rope_type("dynamic")
-def _dynamic(spec: ModelSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
+def _dynamic(spec: RopeSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
     """Dynamic NTK: transformers rescales the base from the current length once it exceeds
     max_position_embeddings, and uses the plain frequencies below it. A static bundle cannot follow a base that
     changes with each call, so it is built only where transformers' frequencies are the plain ones."""
@@ -103,7 +118,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 @rope_type("yarn")
-def _yarn(spec: ModelSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
+def _yarn(spec: RopeSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
     base, dim = p["rope_theta"], spec.rope_dim
     original = p["original_max_position_embeddings"]
     factor = p.get("factor") or spec.max_position_embeddings / original
@@ -132,7 +147,7 @@ def _yarn(spec: ModelSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.nd
 
 
 @rope_type("longrope")
-def _longrope(spec: ModelSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
+def _longrope(spec: RopeSpec, p: Mapping[str, Any], seq_length: int) -> tuple[np.ndarray, float]:
     """LongRoPE / su (Phi-3): per-frequency factors, `short_factor` up to original_max_position_embeddings and
     `long_factor` beyond it. transformers picks the set from each forward pass's length; a bundle picks it from
     seq_length, so a bundle with seq_length ≤ the original length equals transformers everywhere."""

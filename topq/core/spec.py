@@ -78,7 +78,7 @@ class ModelSpec:
         for f in fields(cls):
             check = _FIELD_CHECKS.get(str(f.type))
             if f.name in d and check is not None and not check(d[f.name]):
-                raise TopqError(f"model spec field {f.name} = {show(d[f.name])} is not a {f.type}")
+                raise TopqError(f"model spec field {f.name} = {show(d[f.name])} does not fit its type {f.type}")
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -50,15 +51,28 @@ def test_auto_keeps_the_checkpoint_integers_on_bm1684x(float_dir: Path, tmp_path
     assert cos >= 0.999, cos
 
 
-def test_auto_on_host_stores_the_dequantized_weights_in_bf16(float_dir: Path, tmp_path: Path) -> None:
+AUTO_ROUND_V1 = {"quant_method": "auto-round", "bits": 4, "group_size": GROUP, "sym": False,
+                 "packing_format": "auto_round:auto_gptq"}  # intel/auto-round's GPTQ v1 packing
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "ct", "autoround"])
+def test_auto_on_host_dequantizes_exactly(float_dir: Path, tmp_path: Path, fmt: str) -> None:
+    """The host keeps the checkpoint's arithmetic: (code - zero) * f16 scale in float32, not rounded to bf16."""
     import ml_dtypes
 
-    qdir = tmp_path / "awq"
-    dequantized = write_quantized_llama(float_dir, qdir, "awq")
+    qdir = tmp_path / fmt
+    dequantized = write_quantized_llama(float_dir, qdir, "gptq" if fmt == "autoround" else fmt)
+    if fmt == "autoround":  # the same GPTQ v1 tensors, described as AutoRound writes them
+        config = json.loads((qdir / "config.json").read_text())
+        config["quantization_config"] = AUTO_ROUND_V1
+        (qdir / "config.json").write_text(json.dumps(config))
     bundle = _bundle(qdir, tmp_path / "a.topq", "host")
-    for name, weight in dequantized.items():
-        expected = weight.astype(ml_dtypes.bfloat16).astype(np.float32)  # auto computes in bf16
-        np.testing.assert_array_equal(np.asarray(bundle.tensor(name)), expected)
+    rounded = 0
+    for name, weight in dequantized.items():  # the helper's own dequantization, independent of topq's unpackers
+        stored = np.asarray(bundle.tensor(name))
+        np.testing.assert_array_equal(stored, weight)
+        rounded += not np.array_equal(stored, weight.astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert rounded == len(dequantized)  # bf16 rounding would have changed every linear
 
 
 def test_act_order_gptq_is_refused_by_bm1684x(float_dir: Path, tmp_path: Path,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,46 @@ FORMAT_VERSION = 1
 #: what every reader of a bundle relies on, by type (a crafted file with a sound checksum may still lack them)
 _REQUIRED: dict[str, type] = {"checksums": dict, "target": str, "program": str, "spec": dict, "stages": dict,
                               "recipe": dict}
+
+
+def _positive_int(value: Any) -> bool:
+    return type(value) is int and value >= 1
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _report_row(row: Any) -> bool:
+    return (isinstance(row, dict) and isinstance(row.get("name"), str) and _number(row.get("error"))
+            and all(row.get(k) is None or _number(row[k]) for k in ("rtn_error", "ratio")))
+
+
+#: what the readers of a bundle (runtime, inspect, targets) take from the document besides _REQUIRED, by check
+_STAGE_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "seq_length": _positive_int,
+    "max_input_length": _positive_int,
+    "prefill_kv": lambda v: isinstance(v, bool),
+    "decode_variants": lambda v: isinstance(v, list) and bool(v) and all(_positive_int(x) for x in v),
+}
+_OPTIONAL_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "tokenizer": lambda v: isinstance(v, dict) and all(isinstance(t, str) for t in v.values()),
+    "target_meta": lambda v: isinstance(v, dict),
+    "quant_report": lambda v: isinstance(v, list) and all(_report_row(r) for r in v),
+    "scheme": lambda v: isinstance(v, str),
+    "family": lambda v: isinstance(v, str),
+}
+
+
+def _document_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with a bundle document whose checksum is sound (a crafted file), or None."""
+    for key, ok in _STAGE_FIELDS.items():
+        if not ok(meta["stages"].get(key)):
+            return f"stages.{key} is missing or malformed"
+    for key, ok in _OPTIONAL_FIELDS.items():
+        if meta.get(key) is not None and not ok(meta[key]):
+            return f"{key!r} is malformed"
+    return None
 
 
 def _tensor_digest(array: np.ndarray) -> str:
@@ -96,6 +136,12 @@ class Bundle:
             raise TopqError(f"{self.path}: damaged bundle (checksums are not strings)")
         if set(self.meta["checksums"]) != set(self.file.names()):
             raise TopqError(f"{self.path}: damaged bundle (tensor list does not match its checksums)")
+        if (problem := _document_problem(meta)) is not None:
+            raise TopqError(f"{self.path}: damaged bundle (metadata {problem})")
+        try:
+            self._spec = ModelSpec.from_dict(meta["spec"])
+        except TopqError as exc:
+            raise TopqError(f"{self.path}: damaged bundle ({exc})") from None
         if verify:
             self.verify()
 
@@ -112,9 +158,9 @@ class Bundle:
     def program(self) -> str:
         return str(self.meta["program"])
 
-    @cached_property
+    @property
     def spec(self) -> ModelSpec:
-        return ModelSpec.from_dict(self.meta["spec"])
+        return self._spec
 
     @property
     def recipe(self) -> dict[str, Any]:

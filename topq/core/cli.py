@@ -52,6 +52,9 @@ def convert(recipe: str, overrides: tuple[str, ...], dump_ir: str | None, jobs: 
     from topq.core.plugins import KERNEL_MODULES_ENV
     from topq.core.recipe import load_recipe
 
+    for name in kernel_modules:  # a typo must not pass unnoticed until a recipe's kernel is looked up
+        if _find_module(name) is None:
+            raise TopqError(f"--kernel-module {name}: no such module")
     if kernel_modules:  # workers (forked, or Ray's from this environment) see it too
         os.environ[KERNEL_MODULES_ENV] = ",".join(kernel_modules)
 
@@ -67,6 +70,15 @@ def convert(recipe: str, overrides: tuple[str, ...], dump_ir: str | None, jobs: 
 
 
 # ------------------------------------------------------------------------------------------ run
+def _find_module(name: str) -> object | None:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent package that does not exist, or an empty / relative name
+        return None
+
+
 def _sampling(greedy: bool, temperature: float | None, top_k: int, top_p: float, seed: int | None,
               repetition_penalty: float) -> Any:
     from topq.core.runtime import Sampling

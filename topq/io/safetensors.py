@@ -113,7 +113,7 @@ class SafetensorsFile:
         tag: Any = info.get("dtype")
         shape: Any = info.get("shape")
         offsets: Any = info.get("data_offsets")
-        if tag not in DTYPES:
+        if not isinstance(tag, str) or tag not in DTYPES:
             raise self._bad(f"tensor {name!r}: unsupported dtype {tag!r}")
         ok_shape = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
         ok_offsets = (

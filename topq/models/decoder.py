@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 
 from topq.core.errors import TopqError
 from topq.core.spec import ModelSpec
+from topq.io.schema import show
 from topq.models.fields import refuse_unimplemented
 
 if TYPE_CHECKING:
@@ -67,10 +68,15 @@ def _convert(value: Any, kind: Any, key: str, family: str) -> Any:
     for scalar in (bool, int, float, str):
         if kind is scalar or kind == scalar | None:
             try:
-                return scalar(value)
-            except (TypeError, ValueError):
-                raise TopqError(f"config field {key}={value!r} is not a {scalar.__name__} "
-                                f"(read by the {family} family)") from None
+                converted = scalar(value)
+            except (TypeError, ValueError, OverflowError):
+                converted = None
+            # int(1.5) and int(true) would silently give 1: a count is an integer (or its exact spelling)
+            lossy = scalar is int and (isinstance(value, bool) or (isinstance(value, float) and value != converted))
+            if converted is None or lossy or (scalar is float and isinstance(value, bool)):
+                raise TopqError(f"config field {key}={show(value)} is not a {scalar.__name__} "
+                                f"(read by the {family} family)")
+            return converted
     return value
 
 

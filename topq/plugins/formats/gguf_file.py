@@ -9,6 +9,7 @@ is applied to raw quantized rows too: a block never spans two rows, so it is los
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +22,7 @@ from topq.core.checkpoint import BaseWeightStore, Checkpoint, CheckpointFormat, 
 from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight
+from topq.io.schema import show
 from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
 
 __all__ = ["FORMAT", "GGUFStore", "detect", "gguf_to_hf_name", "open_checkpoint", "reverse_permute"]
@@ -178,47 +180,91 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
         return default
 
 
-def _config(reader: Any, arch: str, tensor_names: set[str]) -> dict[str, Any]:
-    def key(suffix: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{suffix}", default)
+class _Metadata:
+    """Typed reads of one architecture's GGUF keys: a value of the wrong type or range is one clear error (a
+    crafted or damaged file must not reach the model code as a string size or a zero head count)."""
 
-    hidden = key("embedding_length")
-    heads = key("attention.head_count")
-    if hidden is None or heads is None or key("block_count") is None:
-        raise TopqError(f"GGUF metadata lacks {arch}.embedding_length/block_count/attention.head_count")
-    kv_heads = key("attention.head_count_kv", heads)
+    def __init__(self, reader: Any, arch: str, path: Path) -> None:
+        self.reader, self.arch, self.path = reader, arch, path
+
+    def _bad(self, key: str, value: Any, want: str) -> TopqError:
+        return TopqError(f"{self.path}: GGUF metadata {key} must be {want}, got {show(value)}")
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        return _field(self.reader, key, default)
+
+    def count(self, suffix: str, default: Any = None, *, required: bool = False, minimum: int = 1) -> Any:
+        """A positive integer `<arch>.<suffix>` (None when absent and not required)."""
+        key = f"{self.arch}.{suffix}"
+        value = self.raw(key, default)
+        if value is None and not required:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self._bad(key, value, "a positive integer" if minimum == 1 else f"an integer >= {minimum}")
+        return value
+
+    def number(self, suffix: str, default: float) -> float:
+        """A finite, positive float `<arch>.<suffix>`, given back as the short decimal it was written as."""
+        key = f"{self.arch}.{suffix}"
+        value = self.raw(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise self._bad(key, value, "a positive finite number")
+        return _f32_literal(value)
+
+    def token_id(self, name: str) -> int | None:
+        key = f"tokenizer.ggml.{name}"
+        value = self.raw(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise self._bad(key, value, "a token id (an integer >= 0)")
+        return value
+
+
+def _config(reader: Any, arch: str, tensor_names: set[str], path: Path) -> dict[str, Any]:
+    meta = _Metadata(reader, arch, path)
+    for suffix in ("embedding_length", "block_count", "attention.head_count"):
+        if meta.raw(f"{arch}.{suffix}") is None:
+            raise TopqError(f"{path}: GGUF metadata lacks {arch}.{suffix} (needs {arch}.embedding_length, "
+                            f"block_count, attention.head_count)")
+    hidden = meta.count("embedding_length", required=True)
+    heads = meta.count("attention.head_count", required=True)
+    kv_key = f"{arch}.attention.head_count_kv"
+    kv_heads = meta.raw(kv_key, heads)
     if isinstance(kv_heads, list):  # per-layer counts in some files; uniform models repeat one value
+        if not kv_heads or not all(type(v) is int and v >= 1 for v in kv_heads):
+            raise meta._bad(kv_key, kv_heads, "a positive integer or a list of them")
         kv_heads = max(kv_heads)
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
+    kv_heads = meta.count("attention.head_count_kv", kv_heads, required=True)
+    head_dim = meta.count("attention.key_length") or meta.count("rope.dimension_count") or hidden // heads
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else key("vocab_size")
-    eps = key("attention.layer_norm_rms_epsilon", 1e-6)
-    theta = key("rope.freq_base", 10000.0)
+    vocab = len(tokens.data) if tokens is not None else meta.count("vocab_size")
     scaling = None
-    if (rope_type := key("rope.scaling.type")) not in (None, "none"):
-        scaling = {"rope_type": rope_type, "factor": _f32_literal(key("rope.scaling.factor", 1.0))}
-        if (orig := key("rope.scaling.original_context_length")) is not None:
+    rope_type = meta.raw(f"{arch}.rope.scaling.type")
+    if rope_type is not None and not isinstance(rope_type, str):
+        raise meta._bad(f"{arch}.rope.scaling.type", rope_type, "a string")
+    if rope_type not in (None, "none"):
+        scaling = {"rope_type": rope_type, "factor": meta.number("rope.scaling.factor", 1.0)}
+        if (orig := meta.count("rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = orig
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
+        "intermediate_size": meta.count("feed_forward_length"),
+        "num_hidden_layers": meta.count("block_count", required=True),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _f32_literal(eps),
-        "rope_theta": _f32_literal(theta),
+        "rms_norm_eps": meta.number("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta.number("rope.freq_base", 10000.0),
         "rope_scaling": scaling,
-        "max_position_embeddings": key("context_length"),
+        "max_position_embeddings": meta.count("context_length"),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.token_id("bos_token_id"),
+        "eos_token_id": meta.token_id("eos_token_id"),
     }
-    if (pad := _field(reader, "tokenizer.ggml.padding_token_id")) is not None:
+    if (pad := meta.token_id("padding_token_id")) is not None:
         config["pad_token_id"] = pad
     if arch == "qwen2":
         config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_names)
@@ -229,6 +275,9 @@ def _entries(reader: Any, config: dict[str, Any], arch: str, path: Path) -> dict
     entries: dict[str, _Entry] = {}
     for t in reader.tensors:
         hf = gguf_to_hf_name(t.name)
+        if t.tensor_type.name.startswith("I"):  # model weights are float or quantized; checked before any work
+            raise TopqError(f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, not a floating-point or "
+                            "quantized type (a damaged file, or its type was changed)")
         heads = 0
         if arch == "llama" and (m := _BLOCK_RE.fullmatch(t.name)) and m.group(2) in ("attn_q", "attn_k"):
             heads = config["num_attention_heads"] if m.group(2) == "attn_q" else config["num_key_value_heads"]
@@ -316,7 +365,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
     if arch not in _ARCHITECTURES:
         raise TopqError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
     tensor_names = {t.name for t in reader.tensors}
-    config = _config(reader, arch, tensor_names)
+    config = _config(reader, arch, tensor_names, path)
     weights = GGUFStore(path, reader, _entries(reader, config, arch, path))
     config["topq_gguf_dequantized"] = weights.dequantized_types()  # GGML types with no exact repack: warn
     return Checkpoint(path=path, format="gguf", config=config, weights=weights,

@@ -29,6 +29,7 @@ from topq.plugins.formats.quantized import QuantizedStore, read_quantization_con
 
 __all__ = ["FORMAT", "SafetensorsStore", "detect", "open_checkpoint"]
 
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -68,8 +69,15 @@ class SafetensorsStore(BaseWeightStore):
         return self._file(name).get_raw(name)
 
     def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 values; inf or nan is refused: a damaged file, or a dtype tag swapped for another
+        of the same width (integer-tagged model weights are refused on open: `_refuse_integer_weights`)."""
+        f = self._file(name)
         # Plain reads, not the memory map: a streaming conversion must not keep every page it touched resident.
-        return self._file(name).read(name).astype(np.float32, copy=False)
+        values = f.read(name).astype(np.float32, copy=False)
+        if not np.isfinite(values).all():
+            raise TopqError(f"{f.path}: tensor {name!r} holds inf or nan values (a damaged file, or its dtype tag "
+                            f"was changed: it says {f.dtype(name)})")
+        return values
 
     def read_raw(self, name: str) -> np.ndarray:
         """The stored array as a private copy (plain reads, no resident memory map)."""
@@ -163,6 +171,18 @@ def _read_tokenizer(d: Path) -> dict[str, str]:
     return tokenizer_files_of(tokenizer)
 
 
+def _refuse_integer_weights(weights: WeightStore, where: Path) -> None:
+    """Model parameters (`*.weight`, `*.bias`) are floating point; packed linears are behind QuantizedStore and
+    their integer parts have other names. An integer tag means a damaged header or one swapped for a tag of the
+    same width (F32 bits read as I32). Checked from the headers on open, so a conversion stops before any work."""
+    packed = set(weights.quantized_names()) if isinstance(weights, QuantizedStore) else set()
+    for name in weights.names():
+        if (name.endswith((".weight", ".bias")) and name not in packed
+                and weights.dtype(name) not in _FLOAT_DTYPES):
+            raise TopqError(f"{where}: tensor {name!r} is stored as {weights.dtype(name)}, not a floating-point "
+                            "type (a damaged safetensors header, or its dtype tag was changed)")
+
+
 def open_checkpoint(path: Path) -> Checkpoint:
     """Open a Hugging Face checkpoint directory."""
     d = Path(path)
@@ -179,6 +199,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
         weights = QuantizedStore.wrap(weights, quantization_config, where=d)
     elif any(n.endswith((".qweight", ".weight_packed")) for n in weights.names()):
         raise TopqError(f"{d}: packed quantized tensors but no quantization_config in config.json")
+    _refuse_integer_weights(weights, d)
     return Checkpoint(path=d, format="hf", config=config, weights=weights, tokenizer_files=_read_tokenizer(d))
 
 

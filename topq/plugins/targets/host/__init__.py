@@ -37,6 +37,9 @@ def compile_host(job: CompileJob) -> CompiledModel:
 
     assert job.product is not None  # CompileJob fills it in
     compute_dtype = job.product.compute_dtype
+    # Every quantized weight (a scheme's own, or the integers and stored (f16) scales of a pre-quantized checkpoint
+    # under `auto`) is `dequantize()` in float32, as the checkpoint's own arithmetic defines it; float weights take
+    # the compute dtype's rounding.
 
     def produce(wanted):  # type: ignore[no-untyped-def]
         for name in wanted:

@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"|{'-' * 42}|{'-' * 16}|-----------:|--------:|-------------:|")
     for r in rows:
         if r["perplexity"] is None:
-            print(f"| {r['method']:<40} | {r['tool']:<14} | {r['note']:>34} |              |")
+            tool = f"{r['tool']} ({r['note']})"
+            print(f"| {r['method']:<40} | {tool:<14} | {'-':>10} | {'-':>7} | {'-':>12} |")
             continue
         print(f"| {r['method']:<40} | {r['tool']:<14} | {r['perplexity']:10.3f} | {r['seconds']:7.1f} | "
               f"{r['peak_rss_mib']:12.1f} |")

@@ -56,7 +56,7 @@ def busy(processes: int) -> Iterator[None]:
 
 @contextmanager
 def topq_threads(value: str) -> Iterator[None]:
-    from topq.core.threads import ENV
+    from topq.ir.threads import ENV
 
     old = os.environ.get(ENV)
     os.environ[ENV] = value
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from topq.core.bundle import Bundle
-    from topq.core.threads import kernel_info, max_threads
+    from topq.ir.threads import kernel_info, max_threads
     from topq.plugins.targets.bm1684x import open_bundle
     from topq.plugins.targets.bm1684x.spec import BM1684X
 

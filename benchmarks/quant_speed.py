@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from topq.core.bundle import Bundle
     from topq.core.runtime import perplexity
-    from topq.core.threads import kernel_info
+    from topq.ir.threads import kernel_info
 
     keys = [k for k in args.rows.split(",") if k]
     unknown = sorted(set(keys) - set(ROWS))

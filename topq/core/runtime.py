@@ -22,7 +22,7 @@ from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.core.stages import stage_window
 from topq.core.target import Executor
-from topq.core.threads import blas_threads, threads_for
+from topq.ir.threads import blas_threads, threads_for
 
 NEG_INF = np.float32(-np.inf)
 #: recurrent models: how many feeds' states a session keeps for going back (the latest ones: a chat re-renders

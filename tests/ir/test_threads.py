@@ -1,4 +1,4 @@
-"""BLAS threads chosen per call (topq/core/threads.py): decode single-threaded, prefill at the library's default,
+"""BLAS threads chosen per call (topq/ir/threads.py): decode single-threaded, prefill at the library's default,
 the same results as a fixed thread count, and `TOPQ_BLAS_THREADS` checked."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from topq.core import threads
 from topq.core.errors import TopqError
 from topq.core.runtime import Session
+from topq.ir import threads
 
 
 def current_threads() -> int:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
-from topq.core.errors import TopqError
+from topq.ir.errors import TopqError
 
 #: rows of a product (tokens of a call) from which a second thread pays for its wake-up
 MIN_ROWS_FOR_THREADS = 16

@@ -37,8 +37,11 @@ def _number(value: Any) -> bool:
 
 
 def _report_row(row: Any) -> bool:
-    return (isinstance(row, dict) and isinstance(row.get("name"), str) and _number(row.get("error"))
-            and all(row.get(k) is None or _number(row[k]) for k in ("rtn_error", "ratio")))
+    """A calibration report row as `topq inspect` prints it: a name, numbers or nothing for the errors (an expert
+    that no calibration token reached has none), and a mode word when the row has one (`rtn` for a fallback)."""
+    return (isinstance(row, dict) and isinstance(row.get("name"), str)
+            and all(row.get(k) is None or _number(row[k]) for k in ("error", "rtn_error", "ratio"))
+            and (row.get("mode") is None or isinstance(row["mode"], str)))
 
 
 #: what the readers of a bundle (runtime, inspect, targets) take from the document besides _REQUIRED, by check

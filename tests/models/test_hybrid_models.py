@@ -159,15 +159,17 @@ def test_bundles_of_kv_models_keep_their_stage_metadata(tiny_host: TinyFactory, 
     assert tiny_host(kind).bundle.spec.layer_types == ("linear_attention", "full_attention")
 
 
-@pytest.mark.parametrize("scheme", ["gptq", "awq"])
-def test_calibrated_schemes_run_through_both_layer_kinds(tiny_host: TinyFactory, scheme: str,
+@pytest.mark.parametrize("kind, scheme", [("qwen3_5", "gptq"), ("qwen3_5", "awq"), ("qwen3_next_moe", "gptq"),
+                                           ("qwen3_next_moe", "awq")])
+def test_calibrated_schemes_run_through_both_layer_kinds(tiny_host: TinyFactory, kind: str, scheme: str,
                                                          tmp_path: Path) -> None:
     """Calibration runs each layer's prefill (a recurrent one with its `valid` input) and takes the quant groups
-    of that layer's kind; at 8 bits the model stays the float model (AWQ's folded scales included)."""
+    of that layer's kind (and a sparse layer's experts); at 8 bits the model stays the float model (AWQ's folded
+    scales included)."""
     from topq.core.pipeline import convert
     from topq.core.recipe import recipe_from_defaults
 
-    case = tiny_host("qwen3_5")
+    case = tiny_host(kind)
     ids = tmp_path / "calibration.ids"
     ids.write_text(" ".join(map(str, prompt(256, seed=30))))
     out = tmp_path / f"{scheme}.topq"

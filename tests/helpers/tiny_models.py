@@ -65,8 +65,13 @@ LINEAR_ATTENTION: dict[str, Any] = dict(
     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4)
 HYBRID_KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", LINEAR_ATTENTION),
-    # the dense variant: mlp_only_layers covers every layer (sparse MoE layers are refused)
+    # the dense variant: mlp_only_layers covers every layer
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**LINEAR_ATTENTION, "mlp_only_layers": [0, 1]}),
+    # the sparse variant: decoder_sparse_step 2 makes the attention layer 1 a MoE layer (4 experts, top 2, a gated
+    # shared expert); the linear layer 0 stays dense
+    "qwen3_next_moe": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        **LINEAR_ATTENTION, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 2}),
 }
 
 

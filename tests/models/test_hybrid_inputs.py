@@ -1,6 +1,6 @@
 """Hybrid families and the checkpoints they meet: Qwen3.5's published multimodal layout (its text model is
 converted, said in one line), and what they refuse in one error line (a layer type the family does not know,
-Qwen3-Next's sparse MoE layers)."""
+Qwen3-Next sparse layers without expert weights or with bad MoE fields)."""
 
 from __future__ import annotations
 
@@ -73,12 +73,24 @@ def test_unknown_layer_type_is_refused_naming_it(tiny_host: TinyFactory, tmp_pat
     assert_one_error(code, err, output, "layer 1", "'sliding_attention'", "linear_attention")
 
 
-def test_sparse_moe_layers_are_refused_naming_the_fields(tiny_host: TinyFactory, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    ck = edited_copy(tiny_host, "qwen3_next", tmp_path, mlp_only_layers=[0], num_experts=4, decoder_sparse_step=1)
+def test_sparse_layers_without_expert_weights_are_refused_naming_the_tensor(
+        tiny_host: TinyFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dense checkpoint whose config makes layer 1 sparse: the router it would read is named, nothing written."""
+    ck = edited_copy(tiny_host, "qwen3_next", tmp_path, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
+                     decoder_sparse_step=1)
     code, err, output = convert(capsys, tmp_path, ck)
-    assert_one_error(code, err, output, "layers [1]", "num_experts = 4", "mlp_only_layers = [0]",
-                     "decoder_sparse_step")
+    assert_one_error(code, err, output, "model.layers.1.mlp.gate.weight")
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_experts_per_tok": 5}, "5 experts per token but only 4 experts"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be a positive integer"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers='1' must be a list"),
+])
+def test_bad_moe_fields_are_refused(tiny_host: TinyFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    changes: dict[str, object], message: str) -> None:
+    code, err, output = convert(capsys, tmp_path, edited_copy(tiny_host, "qwen3_next_moe", tmp_path, **changes))
+    assert_one_error(code, err, output, message)
 
 
 @pytest.mark.parametrize("field, value", [("hidden_act", "gelu"), ("attention_bias", True),

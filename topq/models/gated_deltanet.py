@@ -18,7 +18,7 @@ What the families share, written once (numerics of transformers' modeling_qwen3_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,12 +149,13 @@ def layer_states(spec: ModelSpec, layer: int) -> tuple[LayerState, ...]:
             LayerState("recurrent", (1, s["value_heads"], s["key_head_dim"], s["value_head_dim"])))
 
 
-def build_block(ctx: BlockContext) -> Value:
-    """One pre-norm decoder layer: its token mixer (by layer type), then the MLP."""
+def build_block(ctx: BlockContext, feed_forward: Callable[[Value], Value] | None = None) -> Value:
+    """One pre-norm decoder layer: its token mixer (by layer type), then the feed-forward (the dense MLP unless
+    the family passes its own, e.g. Qwen3-Next's mixture of experts)."""
     b, x = ctx.b, ctx.hidden
     mixer = gated_deltanet if ctx.spec.layer_types[ctx.layer] == LINEAR else gated_attention
     x = b.top.Add(x, mixer(ctx, ctx.rms_norm(x, "input_layernorm")))
-    return b.top.Add(x, ctx.mlp(ctx.rms_norm(x, "post_attention_layernorm")))
+    return b.top.Add(x, (feed_forward or ctx.mlp)(ctx.rms_norm(x, "post_attention_layernorm")))
 
 
 def _last_dim_slice(ctx: BlockContext, x: Value, start: int, stop: int, loc: str) -> Value:

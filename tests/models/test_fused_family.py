@@ -8,7 +8,7 @@ host bundles and checked against transformers' logits. The rest checks the weigh
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_models import hf_logits, prompt
 
 import topq
 import topq.core.plugins as plugins_module
@@ -153,15 +154,6 @@ def f32_bundle(phi3: tuple[Any, Path]) -> Bundle:
     _, directory = phi3
     convert(recipe(directory, directory / "f32.topq", "f32"), progress=False)
     return Bundle(directory / "f32.topq")
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, VOCAB, size=n).tolist()
-
-
-def hf_logits(model: Any, ids: Sequence[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([list(ids)])).logits[0].float().numpy()
 
 
 # ------------------------------------------------------------------------------- end to end

@@ -13,7 +13,7 @@ cores it sees), read once, so a user's thread setting is never exceeded.
 Results: a one-row product (matrix-vector, all a decode step has) is bit-identical for any thread count, so
 running decode single-threaded changes no result; products with many rows may differ in the last bit between
 thread counts (OpenBLAS picks other kernels and blockings), so big products keep the library's default count
-— exactly what ran before this choice existed (tests/core/test_threads.py checks both).
+— exactly what ran before this choice existed (tests/ir/test_threads.py checks both).
 """
 
 from __future__ import annotations

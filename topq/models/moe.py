@@ -9,7 +9,7 @@ calibration coverage, lowering) follows from the op.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from topq.core.errors import TopqError
@@ -81,6 +81,17 @@ class ExpertNames:
     shared_up: str | None = None
     shared_down: str | None = None
     shared_expert_gate: str | None = None
+
+
+#: the experts of Qwen MoE checkpoints (Qwen3-MoE), and with Qwen2-MoE's / Qwen3-Next's sigmoid-gated shared expert
+QWEN_EXPERTS = ExpertNames(router="model.layers.{i}.mlp.gate.weight",
+                           gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                           up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
+                           down="model.layers.{i}.mlp.experts.{e}.down_proj.weight")
+QWEN_SHARED_EXPERTS = replace(QWEN_EXPERTS, shared_gate="model.layers.{i}.mlp.shared_expert.gate_proj.weight",
+                              shared_up="model.layers.{i}.mlp.shared_expert.up_proj.weight",
+                              shared_down="model.layers.{i}.mlp.shared_expert.down_proj.weight",
+                              shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate.weight")
 
 
 def moe_feed_forward(ctx: BlockContext, x: Value, names: ExpertNames) -> Value:

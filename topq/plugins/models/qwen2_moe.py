@@ -12,16 +12,7 @@ from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
-from topq.models.moe import QWEN_MOE_FIELDS, ExpertNames, moe_feed_forward, read_moe
-
-EXPERTS = ExpertNames(router="model.layers.{i}.mlp.gate.weight",
-                      gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-                      up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-                      down="model.layers.{i}.mlp.experts.{e}.down_proj.weight",
-                      shared_gate="model.layers.{i}.mlp.shared_expert.gate_proj.weight",
-                      shared_up="model.layers.{i}.mlp.shared_expert.up_proj.weight",
-                      shared_down="model.layers.{i}.mlp.shared_expert.down_proj.weight",
-                      shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate.weight")
+from topq.models.moe import QWEN_MOE_FIELDS, QWEN_SHARED_EXPERTS, moe_feed_forward, read_moe
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
@@ -34,7 +25,7 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
 def build_block(ctx: BlockContext) -> Value:
     b, x = ctx.b, ctx.hidden
     x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
-    return b.top.Add(x, moe_feed_forward(ctx, ctx.rms_norm(x, "post_attention_layernorm"), EXPERTS))
+    return b.top.Add(x, moe_feed_forward(ctx, ctx.rms_norm(x, "post_attention_layernorm"), QWEN_SHARED_EXPERTS))
 
 
 FAMILY = ModelFamily(

@@ -12,18 +12,13 @@ from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
-from topq.models.moe import QWEN_MOE_FIELDS, ExpertNames, moe_feed_forward, read_moe
+from topq.models.moe import QWEN_EXPERTS, QWEN_MOE_FIELDS, moe_feed_forward, read_moe
 
 LAYER_WEIGHTS = {
     **DECODER_LAYER_WEIGHTS,
     "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
     "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
 }
-
-EXPERTS = ExpertNames(router="model.layers.{i}.mlp.gate.weight",
-                      gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-                      up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-                      down="model.layers.{i}.mlp.experts.{e}.down_proj.weight")
 
 
 def normalize(config: Mapping[str, Any]) -> ModelSpec:
@@ -34,7 +29,7 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
 def build_block(ctx: BlockContext) -> Value:
     b, x = ctx.b, ctx.hidden
     x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm"), qk_norm=True))
-    return b.top.Add(x, moe_feed_forward(ctx, ctx.rms_norm(x, "post_attention_layernorm"), EXPERTS))
+    return b.top.Add(x, moe_feed_forward(ctx, ctx.rms_norm(x, "post_attention_layernorm"), QWEN_EXPERTS))
 
 
 FAMILY = ModelFamily(

@@ -15,7 +15,7 @@ from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models import gated_deltanet as gdn
-from topq.models.moe import ExpertNames, moe_feed_forward, read_moe
+from topq.models.moe import QWEN_SHARED_EXPERTS, moe_feed_forward, read_moe
 from topq.models.weightmap import GroupedRows, WeightRule, weight_map
 
 QKVZ = "model.layers.{i}.linear_attn.in_proj_qkvz.weight"
@@ -59,15 +59,6 @@ WEIGHT_RULES: dict[str, WeightRule] = {
 }
 
 
-EXPERTS = ExpertNames(router="model.layers.{i}.mlp.gate.weight",
-                      gate="model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-                      up="model.layers.{i}.mlp.experts.{e}.up_proj.weight",
-                      down="model.layers.{i}.mlp.experts.{e}.down_proj.weight",
-                      shared_gate="model.layers.{i}.mlp.shared_expert.gate_proj.weight",
-                      shared_up="model.layers.{i}.mlp.shared_expert.up_proj.weight",
-                      shared_down="model.layers.{i}.mlp.shared_expert.down_proj.weight",
-                      shared_expert_gate="model.layers.{i}.mlp.shared_expert_gate.weight")
-
 #: Qwen3NextConfig's defaults for the MoE fields, which differ from other MoE families' (a config.json that leaves
 #: one out, or sets it null, gets what transformers would build: e.g. 512 experts and renormalised top-k weights)
 MOE_DEFAULTS: dict[str, Any] = {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
@@ -83,7 +74,7 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
 
 
 def build_block(ctx: BlockContext) -> Value:
-    return gdn.build_block(ctx, lambda x: moe_feed_forward(ctx, x, EXPERTS))
+    return gdn.build_block(ctx, lambda x: moe_feed_forward(ctx, x, QWEN_SHARED_EXPERTS))
 
 
 FAMILY = ModelFamily(

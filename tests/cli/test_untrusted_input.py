@@ -15,7 +15,8 @@ import pytest
 from host_bundles import TINY_STAGES, TinyHost
 
 from topq.core import cli
-from topq.core.bundle import Bundle, write_bundle_arrays
+from topq.core.bundle import Bundle
+from topq.io.bundle import write_bundle_arrays
 
 TinyFactory = Callable[..., TinyHost]
 

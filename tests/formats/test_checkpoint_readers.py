@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from topq.core.checkpoint import Checkpoint, WeightStore, load_tokenizer
+from topq.core.checkpoint import Checkpoint, WeightStore
 from topq.core.errors import TopqError
+from topq.io.tokenizer import load_tokenizer
 from topq.plugins.formats import gguf_file, hf
 
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -19,11 +19,11 @@ import torch
 import transformers
 from tiny_models import COMMON, HYBRID_KINDS, KINDS, prompt
 
-from topq.core.checkpoint import normalize_rope
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.core.spec import ModelSpec
 from topq.ir.rope import ROPE_TYPES, rope_inv_freq
+from topq.models.decoder import normalize_rope
 from topq.models.fields import NUMERIC_FIELDS
 
 #: built-in family → the tiny kind whose transformers config it is checked with

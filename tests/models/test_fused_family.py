@@ -33,6 +33,7 @@ from topq.core.stages import BlockContext
 from topq.io.safetensors import SafetensorsFile
 from topq.ir.graph import Value
 from topq.ir.types import round_to_dtype
+from topq.models.blocks import mlp, rms_norm, self_attention
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, hf_field, read_config
 from topq.models.weightmap import (
     AddScalar,
@@ -87,8 +88,8 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
 
 def build_block(ctx: BlockContext) -> Value:
     b, x = ctx.b, ctx.hidden
-    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
-    return b.top.Add(x, ctx.mlp(ctx.rms_norm(x, "post_attention_layernorm")))
+    x = b.top.Add(x, self_attention(ctx, rms_norm(ctx, x, "input_layernorm")))
+    return b.top.Add(x, mlp(ctx, rms_norm(ctx, x, "post_attention_layernorm")))
 
 
 FAMILY = ModelFamily(

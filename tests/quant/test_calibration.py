@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from host_bundles import TinyCheckpoint
 
-from topq.core.checkpoint import tokenizer_files_of
 from topq.core.errors import TopqError
 from topq.core.pipeline import load_model
 from topq.core.recipe import recipe_from_defaults
+from topq.io.tokenizer import tokenizer_files_of
 from topq.ir.interpreter import Interpreter
 from topq.plugins.quant.awq import _fold
 from topq.quant.calibration import (

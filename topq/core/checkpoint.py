@@ -2,23 +2,20 @@
 
 A reader turns a path into a `Checkpoint`: a Hugging Face-style config dict, a lazy
 `WeightStore` keyed by Hugging Face tensor names, and the tokenizer as the texts of a saved
-Hugging Face fast tokenizer (so it can travel inside a bundle without pickle).
+Hugging Face fast tokenizer (so it can travel inside a bundle without pickle; `topq.io.tokenizer`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from topq.core.errors import TopqError
 from topq.core.quant import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -31,9 +28,6 @@ __all__ = [
     "CheckpointFormat",
     "QuantizedWeightStore",
     "WeightStore",
-    "load_tokenizer",
-    "normalize_rope",
-    "tokenizer_files_of",
 ]
 
 
@@ -144,74 +138,3 @@ class CheckpointFormat:
     name: str
     detect: Callable[[Path], bool]
     open: Callable[[Path], Checkpoint]
-
-
-def normalize_rope(config: dict[str, Any]) -> dict[str, Any]:
-    """Give a config both rope spellings: flat `rope_theta`/`rope_scaling` and transformers 5's
-    `rope_parameters`, so model families can read either whatever wrote the config."""
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping):
-        params = dict(params)
-        config.setdefault("rope_theta", params.get("rope_theta"))
-        if config.get("rope_scaling") is None:
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-            # "default" rope carries no scaling: keep the old spelling (None) for it.
-            config["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
-    else:
-        params = {"rope_theta": config.get("rope_theta"), "rope_type": "default"}
-        if config.get("rope_scaling"):
-            params.update(config["rope_scaling"])
-        config["rope_parameters"] = params
-    config.setdefault("rope_theta", None)
-    config.setdefault("rope_scaling", None)
-    return config
-
-
-def tokenizer_files_of(tokenizer: Any) -> dict[str, str]:
-    """The text files `tokenizer.save_pretrained` writes, as {filename: text}."""
-    with tempfile.TemporaryDirectory(prefix="topq-tok-") as tmp:
-        tokenizer.save_pretrained(tmp)
-        files: dict[str, str] = {}
-        for path in sorted(Path(tmp).iterdir()):
-            if not path.is_file() or path.suffix == ".py":  # code never travels in a bundle
-                continue
-            try:
-                files[path.name] = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                continue  # binary extras (e.g. a sentencepiece model) are not part of the contract
-    if "tokenizer_config.json" in files:
-        # transformers records where the tokenizer was loaded from; meaningless once bundled.
-        cfg = json.loads(files["tokenizer_config.json"])
-        for key in ("is_local", "local_files_only", "name_or_path"):
-            cfg.pop(key, None)
-        files["tokenizer_config.json"] = json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"
-    return files
-
-
-def _has_auto_map(config_text: str) -> bool:
-    try:
-        doc = json.loads(config_text)
-    except ValueError:
-        return False  # not JSON: transformers reports it
-    return isinstance(doc, dict) and "auto_map" in doc
-
-
-def load_tokenizer(files: Mapping[str, str]) -> Any:
-    """Rebuild a transformers tokenizer from `Checkpoint.tokenizer_files` (offline)."""
-    if not files:
-        raise TopqError("no tokenizer: the checkpoint carries no tokenizer files")
-    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
-
-    with tempfile.TemporaryDirectory(prefix="topq-tok-") as tmp:
-        for name, text in files.items():
-            # Names may come from a bundle: refuse anything that would leave the temp dir, and code.
-            if not name or Path(name).name != name or name in (".", ".."):
-                raise TopqError(f"bad tokenizer file name {name!r}")
-            if name.endswith(".py") or (name == "tokenizer_config.json" and _has_auto_map(text)):
-                raise TopqError(f"the tokenizer carries code ({name}); topq never runs code from a checkpoint "
-                                "or bundle")
-            (Path(tmp) / name).write_text(text, encoding="utf-8")
-        try:
-            return AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
-        except Exception as exc:  # transformers raises many kinds; the user needs one line
-            raise TopqError(f"cannot rebuild the tokenizer from {sorted(files)}: {exc}") from exc

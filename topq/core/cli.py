@@ -13,6 +13,7 @@ import click
 import numpy as np
 
 from topq.core.errors import TopqError
+from topq.io.files import atomic_file
 
 
 def _emit_json(obj: Any) -> None:
@@ -157,7 +158,8 @@ def run(bundle: str, prompt: str | None, prompt_ids: str | None, use_chat: bool,
             printed = text
     elapsed = time.perf_counter() - started
     if logits_out:
-        _save_npy(Path(logits_out), np.stack(all_logits))
+        with atomic_file(Path(logits_out)) as fh:
+            np.save(fh, np.stack(all_logits), allow_pickle=False)
     decode_s = elapsed - first_token_s
     result: dict[str, Any] = {
         "tokens": tokens,
@@ -184,21 +186,6 @@ def _predicted(bundle: Any, prompt_len: int) -> dict[str, Any] | None:
     if target.perf is None:
         return None
     return target.perf(bundle=bundle, prompt_length=prompt_len)
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    import os
-    import tempfile
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, array, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------------------------------ chat

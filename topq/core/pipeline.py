@@ -8,7 +8,6 @@ import inspect
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from topq.core.build import (
     store_calibration,
     write_unit,
 )
-from topq.core.bundle import write_bundle
 from topq.core.calibration_result import CalibrationResult, load_calibration
 from topq.core.checkpoint import WEIGHT_STORE_METHODS, Checkpoint, CheckpointFormat, WeightStore
 from topq.core.errors import TopqError
@@ -39,6 +37,8 @@ from topq.core.quant import Option, QuantizedWeight, QuantScheme, QuantSpec, Sch
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, layer_carries, rope_weights
 from topq.core.target import CompileJob, Target, check_target_options
+from topq.io.bundle import write_bundle
+from topq.io.files import check_writable
 from topq.ir.analysis import linear_weight_names  # re-exported: callers import it from here
 from topq.ir.graph import Module
 from topq.ir.printer import print_function
@@ -305,22 +305,6 @@ def compile_unit(recipe: dict[str, Any], names: list[str], out_path: str, calibr
     return write_unit(_prepared(recipe, calibration_file), names, out_path)
 
 
-def check_writable(output: Path, cache_dir: Path | None, dump_dir: Path | None) -> None:
-    """Fail before any work, not after it, when the bundle, the build cache or the IR dump cannot be written
-    (a directory as output, a read-only or missing location, a cache path that is a file)."""
-    if output.is_dir():
-        raise TopqError(f"output {output} is a directory; name the bundle file")
-    for what, directory in (("output", output.parent), ("build cache", cache_dir), ("--dump-ir", dump_dir)):
-        if directory is None:
-            continue
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=directory):
-                pass
-        except OSError as exc:
-            raise TopqError(f"{what} {directory} is not a writable directory ({exc.strerror or exc})") from None
-
-
 def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True, jobs: int | None = 1,
             executor: str = "local", ray_address: str | None = None, cache_dir: Path | None = None,
             use_cache: bool = False) -> dict[str, Any]:
@@ -333,7 +317,7 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
     started = time.perf_counter()
     phases = PhaseTimer()
     cache = (cache_dir or default_cache_dir()) if use_cache else None
-    check_writable(Path(recipe.output.path), cache, dump_dir)
+    check_writable(Path(recipe.output.path), [("build cache", cache), ("--dump-ir", dump_dir)], "bundle file")
     runner = make_executor(executor, jobs, ray_address)
     try:
         return _convert(recipe, dump_dir, progress, runner, cache, started, phases)

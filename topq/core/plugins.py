@@ -21,8 +21,9 @@ from topq.core.checkpoint import CheckpointFormat
 from topq.core.errors import TopqError, UnknownNameError
 from topq.core.exporter import Exporter
 from topq.core.family import ModelFamily
-from topq.core.quant import Option, QuantScheme, merge_options
+from topq.core.quant import CORE_QUANT_KEYS, Option, QuantScheme
 from topq.core.target import CORE_TARGET_KEYS, Target
+from topq.io.schema import merge_options
 from topq.ir.extension import IRExtension, KernelSubstitution, install_extension
 
 BUILTIN_PLUGINS: tuple[str, ...] = (
@@ -199,7 +200,7 @@ def build_plugins(extra: tuple[object, ...] = ()) -> Plugins:
         for impl in reversed(getattr(manager.hook, hook).get_hookimpls()):
             impl.function(register=_registrar(registry, kind, info[impl.plugin_name]))
     # Two schemes declaring one option differently stop here, when plugins load, not when a recipe is read.
-    plugins.scheme_options = merge_options(plugins.schemes)
+    plugins.scheme_options = merge_options(plugins.schemes, CORE_QUANT_KEYS, "quant scheme", "quant")
     plugins.target_options = merge_options(plugins.targets, CORE_TARGET_KEYS, "target", "target")
     for extension in plugins.ir_extensions:  # their ops and kernels are needed from here on
         install_extension(extension)

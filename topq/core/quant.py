@@ -8,7 +8,7 @@ choose by that, never by the scheme's name.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,35 +32,6 @@ class Option:
 
     name: str
     spec: Field
-
-
-def merge_options(schemes: Iterable[Any], core_keys: Iterable[str] = CORE_QUANT_KEYS, kind: str = "quant scheme",
-                  section: str = "quant") -> tuple[Option, ...]:
-    """The options of every scheme (or of every target: anything with `name` and `options`), each once, in
-    registration order; a name declared twice differently (or clashing with a core key of the recipe section)
-    is an error naming both."""
-    merged: dict[str, tuple[Option, str]] = {}
-    core = set(core_keys)
-    for scheme in schemes:
-        for option in scheme.options:
-            if option.name in core:
-                raise TopqError(f"{kind} {scheme.name!r}: option {option.name!r} is a core {section} key")
-            seen = merged.get(option.name)
-            if seen is None:
-                merged[option.name] = (option, scheme.name)
-            elif seen[0] != option:
-                raise TopqError(f"{kind}s {seen[1]!r} and {scheme.name!r} declare option {option.name!r} "
-                                f"differently ({_describe(seen[0].spec)} vs {_describe(option.spec)})")
-    return tuple(option for option, _ in merged.values())
-
-
-def _describe(spec: Field) -> str:
-    """A declaration in a few words: "int, default 64, >= -1"."""
-    parts = [spec.type + (" or null" if spec.nullable else ""), f"default {spec.default!r}"]
-    parts += [f"one of {'/'.join(spec.choices)}"] if spec.choices else []
-    bounds = ((">=", spec.ge), (">", spec.gt), ("<=", spec.le))
-    parts += [f"{op} {bound:g}" for op, bound in bounds if bound is not None]
-    return ", ".join(parts) + (f", help {spec.help!r}" if spec.help else "")
 
 
 @dataclass(frozen=True)

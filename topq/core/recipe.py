@@ -102,7 +102,7 @@ CORE_SCHEMA: Schema = {
 def recipe_schema(options: Iterable[tuple[str, Field]],
                   target_options: Iterable[tuple[str, Field]] = ()) -> Schema:
     """The core schema with scheme options (name, Field) added to `quant`, after the core keys and before
-    `calibration` (`topq.core.quant.merge_options` has already refused clashes), and target options added to
+    `calibration` (`topq.io.schema.merge_options` has already refused clashes), and target options added to
     `target` after its core keys."""
     schema = dict(CORE_SCHEMA)
     core_target = CORE_SCHEMA["target"]

@@ -6,13 +6,12 @@ module so that the weight mapping and the family contract can both use it withou
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from topq.core.errors import TopqError
-from topq.io.schema import show
+from topq.io.documents import checked_document
 
 __all__ = ["MoESpec", "ModelSpec"]
 
@@ -127,54 +126,12 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
-        d = _checked(cls, d, "model spec")
+        d = checked_document(cls, d, "model spec", {"MoESpec | None": lambda v: v is None or isinstance(v, dict)})
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_windows"] = tuple(d.get("layer_windows", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
         if d.get("moe") is not None:
-            moe = _checked(MoESpec, d["moe"], "model spec moe")
+            moe = checked_document(MoESpec, d["moe"], "model spec moe")
             moe["dense_layers"] = tuple(moe.get("dense_layers", ()))
             d["moe"] = MoESpec(**moe)
         return cls(**d)
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int
-
-
-def _is_float(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-#: a stored spec comes from a file: each field's value is checked against its annotation before use
-_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "int": _is_int,
-    "float": _is_float,
-    "str": lambda v: isinstance(v, str),
-    "bool": lambda v: isinstance(v, bool),
-    "int | None": lambda v: v is None or _is_int(v),
-    "dict[str, Any] | None": lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) for k in v)),
-    "tuple[int, ...]": lambda v: isinstance(v, (list, tuple)) and all(_is_int(x) for x in v),
-    "tuple[str, ...]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v),
-    "dict[str, int] | None": lambda v: v is None or (isinstance(v, dict) and all(
-        isinstance(k, str) and _is_int(x) for k, x in v.items())),
-    "MoESpec | None": lambda v: v is None or isinstance(v, dict),
-}
-
-
-def _checked(cls: type, d: Any, what: str) -> dict[str, Any]:
-    """A stored dataclass document `d` as keyword arguments for `cls`: a mapping with no unknown field, every
-    required one, and each value fitting its annotation (a crafted bundle is an error line, not a traceback)."""
-    if not isinstance(d, Mapping):
-        raise TopqError(f"{what} is {show(d)}, not a mapping")
-    unknown = set(d) - {f.name for f in fields(cls)}
-    if unknown:
-        raise TopqError(f"{what} has unknown fields: {', '.join(sorted(map(str, unknown)))}")
-    missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
-    if missing:
-        raise TopqError(f"{what} lacks {', '.join(missing)}")
-    for f in fields(cls):
-        check = _FIELD_CHECKS.get(str(f.type))
-        if f.name in d and check is not None and not check(d[f.name]):
-            raise TopqError(f"{what} field {f.name} = {show(d[f.name])} does not fit its type {f.type}")
-    return dict(d)

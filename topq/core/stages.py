@@ -96,7 +96,9 @@ def block_name(stage: Stage, layer: int, history: int = 0, seq_length: int = 0) 
 
 
 class BlockContext:
-    """What a family's `build_block` sees: the builder, the spec, the layer's inputs and stage-aware helpers."""
+    """What a family's `build_block` sees: the builder, the spec, the layer's inputs and weights, and the stage's
+    attention (`attention`) or recurrent states (`state_in`, `carry`). The decoder sublayers built on it
+    (projections, norms, RoPE, the GQA sublayer, the gated MLP) are `topq.models.blocks`."""
 
     def __init__(self, builder: Builder, spec: ModelSpec, family: ModelFamily, layer: int, stage: Stage,
                  hidden: Value, cos: Value, sin: Value, shapes: Mapping[str, tuple[int, ...]] | None,
@@ -140,24 +142,6 @@ class BlockContext:
     def weight(self, key: str, shape: tuple[int, ...]) -> Value:
         return named_weight(self.b, self.weight_name(key), shape, self.shapes)
 
-    def linear(self, x: Value, key: str, out_features: int, bias: bool = False) -> Value:
-        w = self.weight(key, (out_features, x.shape[-1]))
-        if bias:
-            name = self.weight_name(key).removesuffix(".weight") + ".bias"
-            return self.b.top.MatMul(x, w, named_weight(self.b, name, (out_features,), self.shapes),
-                                     right_transpose=True, loc=key)
-        return self.b.top.MatMul(x, w, right_transpose=True, loc=key)
-
-    def rms_norm(self, x: Value, key: str) -> Value:
-        return self.b.top.RMSNorm(x, self.weight(key, x.shape[-1:]), eps=self.spec.rms_norm_eps, loc=key)
-
-    def heads(self, x: Value, count: int) -> Value:
-        """[1, L, count*D] → [1, L, count, D]."""
-        return self.b.top.Reshape(x, shape=[x.shape[0], x.shape[1], count, self.spec.head_dim])
-
-    def rope(self, x: Value) -> Value:
-        return self.b.top.Rope(x, self.cos, self.sin, mode=self.spec.rope_mode)
-
     def attention(self, q: Value, k: Value, v: Value) -> Value:
         """Causal GQA attention of this stage; records k, v (post-RoPE) as the block's KV outputs."""
         self.k_out, self.v_out = k, v
@@ -174,34 +158,6 @@ class BlockContext:
         return self.b.top.FAttention(*operands, q_head=s.num_heads, kv_head=s.num_kv_heads,
                                      scale=s.attention_scale or 1.0 / math.sqrt(s.head_dim), causal=True,
                                      loc="attention", **options)
-
-    def self_attention(self, x: Value, qk_norm: bool = False) -> Value:
-        """The usual GQA self-attention sublayer: q/k/v projections, optional per-head q/k RMSNorm (weights `q_norm`,
-        `k_norm`), RoPE, this stage's attention, o_proj (biases as the spec says). Returns the o_proj output."""
-        s = self.spec
-        q = self.heads(self.linear(x, "q_proj", s.num_heads * s.head_dim, bias=s.attention_bias), s.num_heads)
-        k = self.heads(self.linear(x, "k_proj", s.num_kv_heads * s.head_dim, bias=s.attention_bias), s.num_kv_heads)
-        v = self.heads(self.linear(x, "v_proj", s.num_kv_heads * s.head_dim, bias=s.attention_bias), s.num_kv_heads)
-        if qk_norm:
-            q, k = self.rms_norm(q, "q_norm"), self.rms_norm(k, "k_norm")
-        attn = self.attention(self.rope(q), self.rope(k), v)
-        return self.linear(attn, "o_proj", s.hidden_size, bias=s.o_proj_bias)
-
-    def mlp(self, x: Value, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> Value:
-        """The gated MLP down(act(gate(x)) · up(x)): one `top.MLP`, or its parts when the spec has MLP biases
-        (`top.MLP` has none)."""
-        inter, hidden = self.spec.intermediate_size, self.spec.hidden_size
-        act = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}.get(
-            self.spec.hidden_act)
-        if act is None:
-            raise TopqError(f"activation {self.spec.hidden_act!r} is not supported (silu, gelu, gelu_pytorch_tanh)")
-        if self.spec.mlp_bias:
-            g = self.linear(x, gate, inter, bias=True)
-            a = self.b.top.SiLU(g) if act == "silu" else self.b.top.GELU(
-                g, approximate="tanh" if act == "gelu_tanh" else "none")
-            return self.linear(self.b.top.Mul(a, self.linear(x, up, inter, bias=True)), down, hidden, bias=True)
-        return self.b.top.MLP(x, self.weight(gate, (inter, hidden)), self.weight(up, (inter, hidden)),
-                              self.weight(down, (hidden, inter)), act=act, loc="mlp")
 
 
 def named_weight(b: Builder, name: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]] | None) -> Value:

@@ -23,6 +23,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from topq.io.files import umask
 from topq.ir.errors import TopqError
 
 # Safetensors dtype tag -> numpy dtype (little-endian, as the format prescribes).
@@ -161,12 +162,6 @@ class SafetensorsFile:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
         return np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=offset)
 
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 _CODES = {dt: code for code, dt in DTYPES.items()}
@@ -324,7 +319,7 @@ class SafetensorsWriter:
             self._fh.flush()
             os.fsync(self._fh.fileno())
             self._fh.close()
-            os.chmod(self.tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual permissions
+            os.chmod(self.tmp, 0o666 & ~umask())  # mkstemp makes 0600; give the file the usual permissions
             os.replace(self.tmp, self.path)
         except BaseException:
             self.abort()

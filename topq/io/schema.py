@@ -344,3 +344,31 @@ def iter_fields(schema: Schema, prefix: str = "") -> Iterator[tuple[str, Field]]
 def path_fields(schema: Schema) -> tuple[str, ...]:
     """Dotted paths of the fields that hold file paths."""
     return tuple(p for p, f in iter_fields(schema) if f.path)
+
+
+def merge_options(owners: Iterable[Any], core_keys: Iterable[str], kind: str, section: str) -> tuple[Any, ...]:
+    """The options (`name` + `spec`: a Field) of every owner (schemes, targets: anything with `name` and
+    `options`), each once, in registration order; a name declared twice differently (or clashing with a core key
+    of the recipe `section`) is an error naming both."""
+    merged: dict[str, tuple[Any, str]] = {}
+    core = set(core_keys)
+    for owner in owners:
+        for option in owner.options:
+            if option.name in core:
+                raise TopqError(f"{kind} {owner.name!r}: option {option.name!r} is a core {section} key")
+            seen = merged.get(option.name)
+            if seen is None:
+                merged[option.name] = (option, owner.name)
+            elif seen[0] != option:
+                raise TopqError(f"{kind}s {seen[1]!r} and {owner.name!r} declare option {option.name!r} "
+                                f"differently ({_describe(seen[0].spec)} vs {_describe(option.spec)})")
+    return tuple(option for option, _ in merged.values())
+
+
+def _describe(spec: Field) -> str:
+    """A declaration in a few words: "int, default 64, >= -1"."""
+    parts = [spec.type + (" or null" if spec.nullable else ""), f"default {spec.default!r}"]
+    parts += [f"one of {'/'.join(spec.choices)}"] if spec.choices else []
+    bounds = ((">=", spec.ge), (">", spec.gt), ("<=", spec.le))
+    parts += [f"{op} {bound:g}" for op, bound in bounds if bound is not None]
+    return ", ".join(parts) + (f", help {spec.help!r}" if spec.help else "")

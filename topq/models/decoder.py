@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, get_type_hints
 from topq.core.errors import TopqError
 from topq.core.spec import ModelSpec
 from topq.io.schema import show
+from topq.models.blocks import mlp, rms_norm, self_attention
 from topq.models.fields import refuse_unimplemented
 
 if TYPE_CHECKING:
@@ -20,6 +21,27 @@ if TYPE_CHECKING:
     from topq.ir.graph import Value
 
 C = TypeVar("C", bound="DataclassInstance")
+
+
+def normalize_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """Give a config both rope spellings: flat `rope_theta`/`rope_scaling` and transformers 5's
+    `rope_parameters`, so model families can read either whatever wrote the config."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping):
+        params = dict(params)
+        config.setdefault("rope_theta", params.get("rope_theta"))
+        if config.get("rope_scaling") is None:
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+            # "default" rope carries no scaling: keep the old spelling (None) for it.
+            config["rope_scaling"] = None if scaling.get("rope_type", "default") == "default" else scaling
+    else:
+        params = {"rope_theta": config.get("rope_theta"), "rope_type": "default"}
+        if config.get("rope_scaling"):
+            params.update(config["rope_scaling"])
+        config["rope_parameters"] = params
+    config.setdefault("rope_theta", None)
+    config.setdefault("rope_scaling", None)
+    return config
 
 
 def config_get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
@@ -211,5 +233,5 @@ DECODER_QUANT_GROUPS: tuple[tuple[str, ...], ...] = (
 def pre_norm_block(ctx: BlockContext) -> Value:
     """The Llama block: x + attn(norm(x)), then x + mlp(norm(x))."""
     b, x = ctx.b, ctx.hidden
-    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
-    return b.top.Add(x, ctx.mlp(ctx.rms_norm(x, "post_attention_layernorm")))
+    x = b.top.Add(x, self_attention(ctx, rms_norm(ctx, x, "input_layernorm")))
+    return b.top.Add(x, mlp(ctx, rms_norm(ctx, x, "post_attention_layernorm")))

@@ -26,6 +26,7 @@ from topq.core.errors import TopqError
 from topq.core.family import LayerState, ModelSpec
 from topq.core.stages import BlockContext, Stage
 from topq.ir.graph import Value
+from topq.models.blocks import linear, mlp, rms_norm, rope
 from topq.models.decoder import DecoderConfig, architecture_of, hf_field, read_config
 from topq.models.fields import refuse_unimplemented
 from topq.models.weightmap import AddScalar, WeightRule
@@ -154,8 +155,9 @@ def build_block(ctx: BlockContext, feed_forward: Callable[[Value], Value] | None
     the family passes its own, e.g. Qwen3-Next's mixture of experts)."""
     b, x = ctx.b, ctx.hidden
     mixer = gated_deltanet if ctx.spec.layer_types[ctx.layer] == LINEAR else gated_attention
-    x = b.top.Add(x, mixer(ctx, ctx.rms_norm(x, "input_layernorm")))
-    return b.top.Add(x, (feed_forward or ctx.mlp)(ctx.rms_norm(x, "post_attention_layernorm")))
+    x = b.top.Add(x, mixer(ctx, rms_norm(ctx, x, "input_layernorm")))
+    h = rms_norm(ctx, x, "post_attention_layernorm")
+    return b.top.Add(x, feed_forward(h) if feed_forward else mlp(ctx, h))
 
 
 def _last_dim_slice(ctx: BlockContext, x: Value, start: int, stop: int, loc: str) -> Value:
@@ -167,15 +169,15 @@ def _last_dim_slice(ctx: BlockContext, x: Value, start: int, stop: int, loc: str
 def gated_attention(ctx: BlockContext, x: Value) -> Value:
     s, b = ctx.spec, ctx.b
     heads, d, length = s.num_heads, s.head_dim, ctx.length
-    query_gate = b.top.Reshape(ctx.linear(x, "q_proj", 2 * heads * d), shape=[1, length, heads, 2 * d])
+    query_gate = b.top.Reshape(linear(ctx, x, "q_proj", 2 * heads * d), shape=[1, length, heads, 2 * d])
     q = _last_dim_slice(ctx, query_gate, 0, d, "query")
     gate = b.top.Reshape(_last_dim_slice(ctx, query_gate, d, 2 * d, "gate"), shape=[1, length, heads * d])
-    k = ctx.heads(ctx.linear(x, "k_proj", s.num_kv_heads * d), s.num_kv_heads)
-    v = ctx.heads(ctx.linear(x, "v_proj", s.num_kv_heads * d), s.num_kv_heads)
-    q, k = ctx.rms_norm(q, "q_norm"), ctx.rms_norm(k, "k_norm")
-    attn = ctx.attention(ctx.rope(q), ctx.rope(k), v)
+    k = heads(ctx, linear(ctx, x, "k_proj", s.num_kv_heads * d), s.num_kv_heads)
+    v = heads(ctx, linear(ctx, x, "v_proj", s.num_kv_heads * d), s.num_kv_heads)
+    q, k = rms_norm(ctx, q, "q_norm"), rms_norm(ctx, k, "k_norm")
+    attn = ctx.attention(rope(ctx, q), rope(ctx, k), v)
     attn = b.top.Mul(attn, b.top.Sigmoid(gate, loc="output_gate"), loc="gated_output")
-    return ctx.linear(attn, "o_proj", s.hidden_size)
+    return linear(ctx, attn, "o_proj", s.hidden_size)
 
 
 def gated_deltanet(ctx: BlockContext, x: Value) -> Value:
@@ -212,11 +214,11 @@ def gated_deltanet(ctx: BlockContext, x: Value) -> Value:
 
     normed = ctx.b.top.RMSNorm(core, ctx.weight("linear_norm", (dv,)), eps=ctx.spec.rms_norm_eps, loc="linear_norm")
     gated = b.top.Mul(normed, b.top.SiLU(b.top.Reshape(z, shape=[1, length, hv, dv])), loc="norm_gate")
-    return ctx.linear(b.top.Reshape(gated, shape=[1, length, value_dim]), "out_proj", ctx.spec.hidden_size)
+    return linear(ctx, b.top.Reshape(gated, shape=[1, length, value_dim]), "out_proj", ctx.spec.hidden_size)
 
 
 def in_projections(ctx: BlockContext, x: Value, channels: int, value_dim: int,
                    value_heads: int) -> tuple[Value, Value, Value, Value]:
     """(qkv, z, b, a): the family's layout of the mixer's input projections (`ctx.family.layer_weights`)."""
-    return (ctx.linear(x, "in_proj_qkv", channels), ctx.linear(x, "in_proj_z", value_dim),
-            ctx.linear(x, "in_proj_b", value_heads), ctx.linear(x, "in_proj_a", value_heads))
+    return (linear(ctx, x, "in_proj_qkv", channels), linear(ctx, x, "in_proj_z", value_dim),
+            linear(ctx, x, "in_proj_b", value_heads), linear(ctx, x, "in_proj_a", value_heads))

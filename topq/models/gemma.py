@@ -13,6 +13,7 @@ from topq.core.spec import ModelSpec
 from topq.core.stages import BlockContext
 from topq.ir.builder import Builder
 from topq.ir.graph import Value
+from topq.models.blocks import mlp, rms_norm, self_attention
 from topq.models.decoder import DECODER_FIELDS, DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS
 from topq.models.weightmap import AddScalar, WeightRule, weight_map
 
@@ -48,10 +49,10 @@ def gemma_overrides(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def build_block(ctx: BlockContext) -> Value:
     b, x = ctx.b, ctx.hidden
-    attn = ctx.self_attention(ctx.rms_norm(x, "input_layernorm"), qk_norm=ctx.spec.qk_norm)
-    x = b.top.Add(x, ctx.rms_norm(attn, "post_attention_layernorm"))
-    mlp = ctx.mlp(ctx.rms_norm(x, "pre_feedforward_layernorm"))
-    return b.top.Add(x, ctx.rms_norm(mlp, "post_feedforward_layernorm"))
+    attn = self_attention(ctx, rms_norm(ctx, x, "input_layernorm"), qk_norm=ctx.spec.qk_norm)
+    x = b.top.Add(x, rms_norm(ctx, attn, "post_attention_layernorm"))
+    feed_forward = mlp(ctx, rms_norm(ctx, x, "pre_feedforward_layernorm"))
+    return b.top.Add(x, rms_norm(ctx, feed_forward, "post_feedforward_layernorm"))
 
 
 def scale_embedding(b: Builder, spec: ModelSpec, hidden: Value) -> Value:

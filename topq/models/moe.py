@@ -16,6 +16,7 @@ from topq.core.errors import TopqError
 from topq.core.spec import MoESpec
 from topq.core.stages import named_weight
 from topq.ir.top_ops import moe_operands
+from topq.models.blocks import MLP_ACTIVATIONS, mlp
 from topq.models.decoder import DECODER_FIELDS, hf_field, read_config
 
 if TYPE_CHECKING:
@@ -24,9 +25,6 @@ if TYPE_CHECKING:
 
 
 #: Hugging Face hidden_act → top.MoE act
-_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-
-
 @dataclass(frozen=True)
 class MoEConfig:
     """The MoE fields of Qwen2-MoE / Qwen3-MoE / Mixtral configs (each family fills what its config lacks)."""
@@ -95,11 +93,11 @@ QWEN_SHARED_EXPERTS = replace(QWEN_EXPERTS, shared_gate="model.layers.{i}.mlp.sh
 
 
 def moe_feed_forward(ctx: BlockContext, x: Value, names: ExpertNames) -> Value:
-    """The layer's feed-forward: `top.MoE` on a sparse layer, the family's dense `ctx.mlp` otherwise."""
+    """The layer's feed-forward: `top.MoE` on a sparse layer, the family's dense `mlp` otherwise."""
     moe = ctx.spec.moe
     if moe is None or not moe.sparse(ctx.layer):
-        return ctx.mlp(x)
-    act = _ACTIVATIONS.get(ctx.spec.hidden_act)
+        return mlp(ctx, x)
+    act = MLP_ACTIVATIONS.get(ctx.spec.hidden_act)
     if act is None:
         raise TopqError(f"activation {ctx.spec.hidden_act!r} is not supported for experts (silu, gelu, "
                         "gelu_pytorch_tanh)")

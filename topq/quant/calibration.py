@@ -148,7 +148,7 @@ def _read_npy(file: Path) -> np.ndarray:
 
 
 def _tokenizer(files: Mapping[str, str] | None, source: Path) -> Any:
-    from topq.core.checkpoint import load_tokenizer
+    from topq.io.tokenizer import load_tokenizer
 
     if not files:
         raise TopqError(f"calibration data {source} is text but the checkpoint has no tokenizer; "

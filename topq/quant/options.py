@@ -1,7 +1,7 @@
 """Recipe options shared by the weight-quantizing schemes (declared once, so their declarations agree).
 
 Each scheme lists the options it reads in `QuantScheme.options`; the recipe schema merges them
-(`topq.core.quant.merge_options`), and two schemes may share an option only with the same declaration.
+(`topq.io.schema.merge_options`), and two schemes may share an option only with the same declaration.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
+from topq.models.blocks import mlp, rms_norm, self_attention
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
 
 __version__ = "0.1.0"
@@ -24,11 +25,11 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
 
 
 def build_block(ctx: BlockContext) -> Value:
-    """Pre-norm attention + gated MLP, each with a residual. `ctx.self_attention` builds q/k/v, RoPE and the
+    """Pre-norm attention + gated MLP, each with a residual. `self_attention` builds q/k/v, RoPE and the
     stage's attention (history, masks), which the core's stage template varies per stage."""
     b, x = ctx.b, ctx.hidden
-    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
-    return b.top.Add(x, ctx.mlp(ctx.rms_norm(x, "post_attention_layernorm")))
+    x = b.top.Add(x, self_attention(ctx, rms_norm(ctx, x, "input_layernorm")))
+    return b.top.Add(x, mlp(ctx, rms_norm(ctx, x, "post_attention_layernorm")))
 
 
 FAMILY = ModelFamily(

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from host_bundles import TinyHost
 
-from topq.core.bundle import FORMAT_VERSION, Bundle
+from topq.core.bundle import Bundle
 from topq.core.errors import TopqError
+from topq.io.bundle import FORMAT_VERSION
 from topq.io.safetensors import SafetensorsFile, write_safetensors
 
 TinyFactory = Callable[..., TinyHost]

@@ -18,11 +18,13 @@ import ml_dtypes
 import numpy as np
 
 import topq
-from topq.core.checkpoint import BaseWeightStore, Checkpoint, CheckpointFormat, normalize_rope, tokenizer_files_of
+from topq.core.checkpoint import BaseWeightStore, Checkpoint, CheckpointFormat
 from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight
 from topq.io.schema import show
+from topq.io.tokenizer import tokenizer_files_of
+from topq.models.decoder import normalize_rope
 from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
 
 __all__ = ["FORMAT", "GGUFStore", "detect", "gguf_to_hf_name", "open_checkpoint", "reverse_permute"]

@@ -19,12 +19,12 @@ from topq.core.checkpoint import (
     Checkpoint,
     CheckpointFormat,
     WeightStore,
-    normalize_rope,
-    tokenizer_files_of,
 )
 from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.io.safetensors import SafetensorsFile
+from topq.io.tokenizer import tokenizer_files_of
+from topq.models.decoder import normalize_rope
 from topq.plugins.formats.quantized import QuantizedStore, read_quantization_config
 
 __all__ = ["FORMAT", "SafetensorsStore", "detect", "open_checkpoint"]

@@ -11,6 +11,7 @@ from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
+from topq.models.blocks import rms_norm, self_attention
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
 from topq.models.moe import QWEN_MOE_FIELDS, QWEN_SHARED_EXPERTS, moe_feed_forward, read_moe
 
@@ -24,8 +25,8 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
 
 def build_block(ctx: BlockContext) -> Value:
     b, x = ctx.b, ctx.hidden
-    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
-    return b.top.Add(x, moe_feed_forward(ctx, ctx.rms_norm(x, "post_attention_layernorm"), QWEN_SHARED_EXPERTS))
+    x = b.top.Add(x, self_attention(ctx, rms_norm(ctx, x, "input_layernorm")))
+    return b.top.Add(x, moe_feed_forward(ctx, rms_norm(ctx, x, "post_attention_layernorm"), QWEN_SHARED_EXPERTS))
 
 
 FAMILY = ModelFamily(

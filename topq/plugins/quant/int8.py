@@ -39,6 +39,7 @@ from topq.core.hookspecs import Register
 from topq.core.quant import Option, QuantScheme, SchemeProduct
 from topq.core.recipe import Field
 from topq.core.stages import rope_weights
+from topq.io.files import atomic_file
 from topq.ir.analysis import LinearUse, op_linears, weight_name
 from topq.ir.catalogue import Linear, traits_of
 from topq.ir.graph import Function, Module, Operation, Value
@@ -764,7 +765,8 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
             install_weights(model, plan, cm.sites)
             plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic)
         if table is not None:
-            _write_atomic(table, plan.to_yaml())
+            with atomic_file(table) as fh:
+                fh.write(plan.to_yaml().encode())
     result = CalibrationResult()
     result.state["int8_table"] = plan.to_yaml()  # what `restore` rebuilds the model from (workers that load this)
     if windows is not None:
@@ -782,13 +784,6 @@ def restore(model: Any, recipe: Any, result: Any) -> None:
     cm = _calib_model(model, int(plan.info.get("seq_len", 16)), _linear_names(model))
     install_weights(model, plan, cm.sites)
     rewrite_program(model.module, plan, cm.sites, opts.dynamic)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 SCHEME = QuantScheme(

@@ -10,6 +10,7 @@ import topq
 from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.models import decoder
+from topq.models.gguf import LLAMA_TENSORS, GGUFArchitecture
 from topq.models.weightmap import gate_up_sections, qkv_sections, split_rows, weight_map
 
 FIELDS = decoder.DECODER_FIELDS - {"attention_bias", "mlp_bias"} | {"sliding_window"}  # no biases in Phi-3
@@ -23,6 +24,15 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
     return decoder.normalize_llama_like(config, "phi3", FIELDS, rope_scaling=scaling,
                                         layer_windows=decoder.layer_windows(config, lambda layer: True))
 
+
+#: llama.cpp keeps Phi-3's fused tensors (attn_qkv; ffn_up is [gate; up]) and writes a window of 0 for none.
+GGUF = GGUFArchitecture(
+    name="phi3", architecture="Phi3ForCausalLM", model_type="phi3",
+    tensors={**LLAMA_TENSORS, "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
+             "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"},
+    metadata={"attention.sliding_window": "sliding_window"}, rotary_dims=True,
+    refused={name: "LongRoPE factors (Phi-3 long-context models) are not read from GGUF files yet"
+             for name in ("rope_factors_long", "rope_factors_short")})
 
 FAMILY = ModelFamily(
     name="phi3",
@@ -39,6 +49,7 @@ FAMILY = ModelFamily(
     }),
     config_fields=FIELDS,
     description="Phi-3 (fused qkv / gate_up, LongRoPE)",
+    formats={"gguf": GGUF},
 )
 
 

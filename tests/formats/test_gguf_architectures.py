@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
-import topq
 from gguf_writer import load_reference, write_gguf
 from host_bundles import TINY_STAGES, convert_host
 from tiny_models import build_tiny, hf_logits, max_diff, prompt
 
+import topq
 from topq.core import plugins as plugins_module
 from topq.core.errors import TopqError
 from topq.core.family import ModelFamily

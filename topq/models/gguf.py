@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["GEMMA_TENSORS", "LLAMA_TENSORS", "MOE_METADATA", "QK_NORM_TENSORS", "QWEN_MOE_TENSORS",
-           "QWEN_SHARED_EXPERT_TENSORS", "GGUFArchitecture", "GGUFTensor", "gguf_architecture", "gguf_architecture_names"]
+           "QWEN_SHARED_EXPERT_TENSORS", "GGUFArchitecture", "GGUFTensor", "gguf_architecture",
+           "gguf_architecture_names"]
 
 
 @dataclass(frozen=True)

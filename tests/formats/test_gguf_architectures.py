@@ -70,6 +70,15 @@ def gguf_case(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
+def prefill_and_decode(bundle: Any, ids: list[int], steps: int = 4) -> tuple[np.ndarray, list[int]]:
+    """Logits of a prefill over ids and `steps` greedy decode steps on the KV cache, and all the tokens."""
+    session = Session(bundle)
+    rows = [session.feed(ids, all_logits=True)]
+    for _ in range(steps):
+        rows.append(session.decode(int(np.argmax(rows[-1][-1])))[None])
+    return np.concatenate(rows), session.tokens
+
+
 @pytest.mark.parametrize("name", list(GGUF_KINDS))
 def test_prefill_and_decode_match_transformers_gguf_reading(gguf_case: Any, name: str) -> None:
     case = gguf_case(name)
@@ -78,13 +87,22 @@ def test_prefill_and_decode_match_transformers_gguf_reading(gguf_case: Any, name
     exact = GGUF_KINDS[name][2] == "F32"
     drift = max_diff(hf_logits(case.reference, ids), hf_logits(case.model, ids))
     assert drift <= (1e-5 if exact else 0.5), drift
-    session = Session(case.bundle)
-    rows = [session.feed(ids, all_logits=True)]
-    for _ in range(4):  # greedy decode steps on the KV cache
-        rows.append(session.decode(int(np.argmax(rows[-1][-1])))[None])
-    got = np.concatenate(rows)
+    got, tokens = prefill_and_decode(case.bundle, ids)
     assert got.shape == (17, case.model.config.vocab_size)
-    assert max_diff(got, hf_logits(case.reference, session.tokens)) <= ATOL
+    assert max_diff(got, hf_logits(case.reference, tokens)) <= ATOL
+
+
+def test_phi3_longrope_and_window_match_the_original(tmp_path: Path) -> None:
+    """Phi-3's LongRoPE factor tensors and window (10 tokens, passed by the 17 positions) are read from the GGUF
+    file. transformers' GGUF loader drops both, so the original model is the reference here."""
+    model = build_tiny("phi3", tmp_path / "hf")  # longrope, original_max_position_embeddings 64, window 10
+    path = write_gguf(model, tmp_path / "phi3.gguf")
+    ids = prompt(13, seed=1)
+    assert max_diff(hf_logits(load_reference(path), ids), hf_logits(model, ids)) > 1e-3  # what transformers reads
+    scaling = gguf_file.open_checkpoint(path).config["rope_scaling"]
+    assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 64
+    got, tokens = prefill_and_decode(convert_host(path, tmp_path / "host.topq", **TINY_STAGES), ids)
+    assert max_diff(got, hf_logits(model, tokens)) <= ATOL
 
 
 def test_q8_0_experts_keep_their_integer_blocks(gguf_case: Any) -> None:
@@ -128,7 +146,7 @@ def _write(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
 
 @pytest.mark.parametrize(("arch", "tensor", "message"), [
     ("llama", "blk.0.ffn_gate_exps.weight", r"experts in a GGUF file of architecture llama \(Mixtral\)"),
-    ("phi3", "rope_factors_long.weight", "LongRoPE factors"),
+    ("phi3", "rope_factors_long.weight", "rope_factors_long without rope_factors_short"),
     ("qwen2", "blk.0.attn_rot_embd.weight", "not part of GGUF architecture 'qwen2'"),
     ("qwen3next", "blk.0.attn_norm.weight", "unsupported GGUF architecture 'qwen3next'; supported: gemma2, "),
 ])

@@ -9,6 +9,7 @@ before the squeeze was dropped; transformers' loader expects it), norms, 1-D ten
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,12 @@ def _metadata(writer: Any, config: Any, arch: str) -> None:
         writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * c.hidden_size)
                                         // c.num_attention_heads)
         writer.add_sliding_window(c.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":  # Phi3MiniModel.generate_extra_tensors
+            scale = c.max_position_embeddings / c.original_max_position_embeddings
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+                c.original_max_position_embeddings)) if scale > 1 else 1.0)
+            writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
         writer.add_final_logit_softcapping(c.final_logit_softcapping)

@@ -47,8 +47,9 @@ class GGUFArchitecture:
     llama.cpp assumes them for the architecture. `flags`: config field → tensor suffix whose presence makes it True
     (`{"attention_bias": "attn_q.bias"}`). `refused`: GGUF tensor name → why such a file cannot be read (say what it
     is, e.g. Mixtral experts in an arch-llama file). `rotary_dims`: `rope.dimension_count` is the rotary width, not the
-    head size (partial rotary). `derive(config)` returns more config fields computed from the ones read (Gemma's
-    attention scale)."""
+    head size (partial rotary). `config_tensors`: GGUF tensor name → config field that receives its values as a list
+    of floats (Phi-3's LongRoPE factors; not a weight). `derive(config)` returns more config fields computed from
+    the ones read (Gemma's attention scale, Phi-3's `rope_scaling`)."""
 
     name: str
     architecture: str
@@ -59,6 +60,7 @@ class GGUFArchitecture:
     flags: Mapping[str, str] = field(default_factory=dict)
     refused: Mapping[str, str] = field(default_factory=dict)
     rotary_dims: bool = False
+    config_tensors: Mapping[str, str] = field(default_factory=dict)
     derive: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
 
     def tensor(self, gguf_name: str) -> GGUFTensor | None:

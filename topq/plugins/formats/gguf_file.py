@@ -307,6 +307,12 @@ def _config(reader: Any, declared: GGUFArchitecture, tensor_names: set[str], pat
         config["pad_token_id"] = pad
     if declared.rotary_dims and rotary is not None and rotary != head_dim:
         config["partial_rotary_factor"] = rotary / head_dim
+    for tensor in reader.tensors:
+        if (hf_field := declared.config_tensors.get(_stem(tensor.name)[0])) is not None:
+            values = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+            if tensor.tensor_type.name not in ("F32", "F16") or not np.isfinite(values).all():
+                raise TopqError(f"{path}: {tensor.name} must hold finite F32 / F16 values")
+            config[hf_field] = [float(np.float32(v)) for v in values]
     config.update(declared.defaults)
     for key, hf_field in declared.metadata.items():
         if (value := meta.value(key)) is not None:
@@ -332,6 +338,8 @@ def _entries(reader: Any, config: dict[str, Any], declared: GGUFArchitecture, pa
             raise TopqError(f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, not a floating-point or "
                             "quantized type (a damaged file, or its type was changed)")
         stem, layer, suffix = _stem(t.name)
+        if stem in declared.config_tensors:  # read into the config, not a weight
+            continue
         if stem in declared.refused:
             raise TopqError(f"{path}: tensor {t.name}: {declared.refused[stem]}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))

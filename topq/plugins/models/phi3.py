@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import topq
+from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.models import decoder
@@ -25,14 +26,30 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
                                         layer_windows=decoder.layer_windows(config, lambda layer: True))
 
 
-#: llama.cpp keeps Phi-3's fused tensors (attn_qkv; ffn_up is [gate; up]) and writes a window of 0 for none.
+def gguf_longrope(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """LongRoPE from the factor tensors llama.cpp writes for the long-context models (no `rope.scaling.type`)."""
+    if "long_factor" not in config:
+        return {}
+    if "short_factor" not in config:
+        raise TopqError("phi3 GGUF: rope_factors_long without rope_factors_short")
+    scaling = {"rope_type": "longrope", "long_factor": config["long_factor"], "short_factor": config["short_factor"],
+               "original_max_position_embeddings": config.get("original_max_position_embeddings")}
+    if config.get("rope_attention_factor") is not None:
+        scaling["attention_factor"] = config["rope_attention_factor"]
+    return {"rope_scaling": scaling}
+
+
+#: llama.cpp keeps Phi-3's fused tensors (attn_qkv; ffn_up is [gate; up]), writes a window of 0 for none and the
+#: LongRoPE factors as two tensors.
 GGUF = GGUFArchitecture(
     name="phi3", architecture="Phi3ForCausalLM", model_type="phi3",
     tensors={**LLAMA_TENSORS, "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
              "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"},
-    metadata={"attention.sliding_window": "sliding_window"}, rotary_dims=True,
-    refused={name: "LongRoPE factors (Phi-3 long-context models) are not read from GGUF files yet"
-             for name in ("rope_factors_long", "rope_factors_short")})
+    metadata={"attention.sliding_window": "sliding_window",
+              "rope.scaling.original_context_length": "original_max_position_embeddings",
+              "rope.scaling.attn_factor": "rope_attention_factor"},
+    rotary_dims=True, config_tensors={"rope_factors_long": "long_factor", "rope_factors_short": "short_factor"},
+    derive=gguf_longrope)
 
 FAMILY = ModelFamily(
     name="phi3",

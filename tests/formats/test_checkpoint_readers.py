@@ -413,7 +413,7 @@ def test_gguf_name_map() -> None:
     assert m("output_norm.weight") == "model.norm.weight"
     assert m("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
     assert m("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
-    assert m("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    assert m("blk.3.attn_k_norm.weight", "qwen3") == "model.layers.3.self_attn.k_norm.weight"  # per architecture
     assert m("blk.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
     assert m("blk.1.ffn_gate.weight") == "model.layers.1.mlp.gate_proj.weight"
     assert m("rope_freqs.weight") == "rope_freqs.weight"  # no HF equivalent: kept

@@ -52,6 +52,9 @@ class ModelFamily:
     `layer_states(spec, layer)` says what a layer carries from one call to the next: () (or no function) is a
     KV cache (the block calls `ctx.attention`); `LayerState`s are a recurrent layer's tensors (a linear-attention
     conv window and state), which the block reads with `ctx.state_in` and returns with `ctx.carry`.
+
+    `formats` holds what a checkpoint format's reader needs from the family, keyed by the format's name; the format
+    plugin defines the value (e.g. "gguf": `topq.models.gguf.GGUFArchitecture`, llama.cpp's names for the tensors).
     """
 
     name: str
@@ -75,6 +78,7 @@ class ModelFamily:
     config_fields: frozenset[str] = frozenset()
     layer_states: Callable[[ModelSpec, int], tuple[LayerState, ...]] | None = None
     conversion_note: Callable[[Mapping[str, Any]], str | None] | None = None
+    formats: Mapping[str, Any] = field(default_factory=dict)
 
     def states_of(self, spec: ModelSpec, layer: int) -> tuple[LayerState, ...]:
         """What `layer` carries instead of KV; () for a KV layer."""

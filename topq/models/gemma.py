@@ -15,6 +15,7 @@ from topq.ir.builder import Builder
 from topq.ir.graph import Value
 from topq.models.blocks import mlp, rms_norm, self_attention
 from topq.models.decoder import DECODER_FIELDS, DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS
+from topq.models.gguf import GEMMA_TENSORS, GGUFArchitecture
 from topq.models.weightmap import AddScalar, WeightRule, weight_map
 
 GEMMA_FIELDS = DECODER_FIELDS - {"mlp_bias"} | {"sliding_window", "layer_types", "attn_logit_softcapping",
@@ -68,10 +69,30 @@ def soft_cap_logits(b: Builder, spec: ModelSpec, logits: Value) -> Value:
     return b.top.MulConst(capped, const_val=cap, loc="softcap_out")
 
 
+def gguf_attention_scale(layers_27b: int) -> Callable[[Mapping[str, Any]], Mapping[str, Any]]:
+    """`query_pre_attn_scalar`, which GGUF files do not store: llama.cpp takes the head size, except for the 27B
+    model (recognised by its layer count), which scales by hidden_size / num_attention_heads as its config says."""
+    def derive(config: Mapping[str, Any]) -> Mapping[str, Any]:
+        big = config["num_hidden_layers"] == layers_27b
+        return {"query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"] if big
+                else config["head_dim"]}
+    return derive
+
+
+def gemma_gguf(name: str, architecture: str, model_type: str, layers_27b: int,
+               metadata: Mapping[str, str], defaults: Mapping[str, Any]) -> GGUFArchitecture:
+    """A Gemma GGUF architecture: the shared tensors (norms stored as 1 + w), GELU-tanh, the derived attention
+    scale; `metadata` / `defaults` are the version's own keys and the values llama.cpp assumes without them."""
+    return GGUFArchitecture(name, architecture, model_type, GEMMA_TENSORS,
+                            metadata={"attention.sliding_window": "sliding_window", **metadata},
+                            defaults={"hidden_act": "gelu_pytorch_tanh", **defaults},
+                            derive=gguf_attention_scale(layers_27b))
+
+
 def gemma_family(name: str, architecture: str, model_type: str, normalize: Callable[[Mapping[str, Any]], ModelSpec],
-                 config_fields: frozenset[str], description: str) -> ModelFamily:
+                 config_fields: frozenset[str], description: str, gguf: GGUFArchitecture) -> ModelFamily:
     """A Gemma family: the shared block, weights, norm mapping and hooks, with its own config reading."""
     return ModelFamily(name=name, architectures=(architecture,), model_types=(model_type,), normalize=normalize,
                        layer_weights=LAYER_WEIGHTS, build_block=build_block, quant_groups=DECODER_QUANT_GROUPS,
                        map_weights=weight_map(norm_rules()), embed_hook=scale_embedding, head_hook=soft_cap_logits,
-                       config_fields=config_fields, description=description)
+                       config_fields=config_fields, description=description, formats={"gguf": gguf})

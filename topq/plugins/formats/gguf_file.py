@@ -1,10 +1,14 @@
 """GGUF files (llama.cpp): metadata -> HF-style config, tensors -> HF names and layout.
 
-GGUF stores dims in ggml order (innermost first); numpy views of the data already come out
-as [out, in], which is the Hugging Face layout. llama.cpp's converter permutes the rows of
-q_proj/k_proj for arch `llama` (rotary pairs interleaved); we undo that exactly as
-transformers' GGUF loader does, so weights equal the original HF ones. The row permutation
-is applied to raw quantized rows too: a block never spans two rows, so it is lossless.
+Which `general.architecture` values are read, and how, is declared by the model families
+(`ModelFamily.formats["gguf"]`, a `topq.models.gguf.GGUFArchitecture`): the Hugging Face
+architecture, extra metadata keys, tensor names and the inverse of each transform llama.cpp's
+converter applied. GGUF stores dims in ggml order (innermost first); numpy views of the data
+already come out as [out, in], which is the Hugging Face layout. llama.cpp's converter permutes
+the rows of q_proj/k_proj for arch `llama` (rotary pairs interleaved); we undo that exactly as
+transformers' GGUF loader does, so weights equal the original HF ones. The row permutation and
+the expert slices of stacked MoE tensors apply to raw quantized rows too: a block never spans
+two rows, so both are lossless.
 """
 
 from __future__ import annotations
@@ -21,45 +25,49 @@ import topq
 from topq.core.checkpoint import BaseWeightStore, Checkpoint, CheckpointFormat
 from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
+from topq.core.plugins import get_plugins
 from topq.core.quant import QuantizedWeight
 from topq.io.schema import show
 from topq.io.tokenizer import tokenizer_files_of
 from topq.models.decoder import normalize_rope
+from topq.models.gguf import GGUFArchitecture, gguf_architecture, gguf_architecture_names
 from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
 
 __all__ = ["FORMAT", "GGUFStore", "detect", "gguf_to_hf_name", "open_checkpoint", "reverse_permute"]
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 _PLAIN_NP = {"F32": "float32", "F16": "float16", "F64": "float64",
              "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64"}
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """HF name of a GGUF tensor; names without an HF equivalent are kept as they are."""
+def _stem(name: str) -> tuple[str, str | None, str]:
+    """(declared name, layer or None, suffix) of a GGUF tensor name: `blk.3.attn_q.bias` → (`blk.{i}.attn_q`,
+    "3", "bias"); a name of neither form is its own stem, with no suffix."""
     if m := _BLOCK_RE.fullmatch(name):
-        layer, part, kind = m.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    elif (m := _GLOBAL_RE.fullmatch(name)) and m.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    return name
+        return f"blk.{{i}}.{m.group(2)}", m.group(1), m.group(3)
+    if m := _GLOBAL_RE.fullmatch(name):
+        return m.group(1), None, m.group(2)
+    return name, None, ""
+
+
+def _architecture(name: Any, path: Path | None = None) -> GGUFArchitecture:
+    families = get_plugins().families
+    arch = gguf_architecture(families, name) if isinstance(name, str) else None
+    if arch is None:
+        where = f"{path}: " if path else ""
+        raise TopqError(f"{where}unsupported GGUF architecture {name!r}; supported: "
+                        f"{', '.join(gguf_architecture_names(families))}")
+    return arch
+
+
+def gguf_to_hf_name(name: str, arch: GGUFArchitecture | str = "llama") -> str:
+    """HF name of a GGUF tensor of architecture `arch` (`{e}` left in for a stacked expert tensor); names the
+    architecture does not declare are kept as they are."""
+    declared = _architecture(arch) if isinstance(arch, str) else arch
+    stem, layer, suffix = _stem(name)
+    spec = declared.tensor(stem)
+    return name if spec is None else f"{spec.hf.format(i=layer, e='{e}')}.{suffix}"
 
 
 def reverse_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -74,6 +82,8 @@ class _Entry(NamedTuple):
     tensor: Any  # gguf.ReaderTensor
     shape: tuple[int, ...]  # HF layout
     heads: int  # > 0: rows to un-permute with this many heads
+    expert: int | None = None  # this expert's slice of a tensor with the experts stacked on axis 0
+    offset: float = 0.0  # added to the stored values (Gemma's 1 + w norms)
 
 
 def _f32_literal(value: float) -> float:
@@ -103,7 +113,10 @@ class GGUFStore(BaseWeightStore):
         return self._entry(name).shape
 
     def dtype(self, name: str) -> str:
-        qtype = self._entry(name).tensor.tensor_type.name
+        entry = self._entry(name)
+        if entry.offset:
+            return "float32"  # a transformed value is computed in float32
+        qtype = entry.tensor.tensor_type.name
         return "bfloat16" if qtype == "BF16" else _PLAIN_NP.get(qtype, qtype)
 
     def gguf_name(self, name: str) -> str:
@@ -112,7 +125,9 @@ class GGUFStore(BaseWeightStore):
     def get_raw(self, name: str) -> np.ndarray:
         """Stored values (read-only view when possible); quantized types as uint8 block rows."""
         entry = self._entry(name)
-        data = entry.tensor.data
+        if entry.offset:
+            return self.get(name)
+        data = _stored(entry)
         if entry.tensor.tensor_type.name == "BF16":
             data = data.view(ml_dtypes.bfloat16)  # the reader exposes bf16 as raw bytes
         if entry.heads:
@@ -127,7 +142,7 @@ class GGUFStore(BaseWeightStore):
         """
         entry = self._entry(name)
         qtype = entry.tensor.tensor_type.name
-        if qtype not in GGUF_EXACT_TYPES:
+        if qtype not in GGUF_EXACT_TYPES or entry.offset:
             return None
         return unpack_gguf(self.get_raw(name), qtype, entry.shape, what=f"{self.path}: {entry.tensor.name}")
 
@@ -144,18 +159,30 @@ class GGUFStore(BaseWeightStore):
         from gguf.quants import dequantize
 
         entry = self._entry(name)
-        tensor = entry.tensor
+        tensor, data = entry.tensor, _stored(entry)
         try:
             if tensor.tensor_type.name in _PLAIN_NP:
-                values = np.array(tensor.data, dtype=np.float32)  # copy off the mmap
+                values = np.array(data, dtype=np.float32)  # copy off the mmap
             else:
-                values = dequantize(tensor.data, tensor.tensor_type)
+                values = dequantize(data, tensor.tensor_type)
         except (NotImplementedError, ValueError) as exc:
             raise TopqError(f"{self.path}: cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
         values = values.reshape(entry.shape)
         if entry.heads:
             values = reverse_permute(values, entry.heads)
+        if entry.offset:
+            values = values + np.float32(entry.offset)
         return np.ascontiguousarray(values, dtype=np.float32)
+
+
+def _stored(entry: _Entry) -> np.ndarray:
+    """The entry's part of its GGUF tensor as stored: one expert of a stacked tensor; a [n] tensor read as [1, n]."""
+    data = entry.tensor.data
+    if entry.expert is not None:
+        data = data[entry.expert]
+    if data.ndim < len(entry.shape):
+        data = data.reshape(1, *data.shape)
+    return data
 
 
 def _read(path: Path) -> Any:
@@ -213,6 +240,16 @@ class _Metadata:
             raise self._bad(key, value, "a positive finite number")
         return _f32_literal(value)
 
+    def value(self, suffix: str) -> int | float | None:
+        """A non-negative finite number `<arch>.<suffix>` (an architecture's own key), None when absent."""
+        key = f"{self.arch}.{suffix}"
+        value = self.raw(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise self._bad(key, value, "a non-negative finite number")
+        return value if isinstance(value, int) else _f32_literal(value)
+
     def token_id(self, name: str) -> int | None:
         key = f"tokenizer.ggml.{name}"
         value = self.raw(key)
@@ -221,7 +258,8 @@ class _Metadata:
         return value
 
 
-def _config(reader: Any, arch: str, tensor_names: set[str], path: Path) -> dict[str, Any]:
+def _config(reader: Any, declared: GGUFArchitecture, tensor_names: set[str], path: Path) -> dict[str, Any]:
+    arch = declared.name
     meta = _Metadata(reader, arch, path)
     for suffix in ("embedding_length", "block_count", "attention.head_count"):
         if meta.raw(f"{arch}.{suffix}") is None:
@@ -236,7 +274,8 @@ def _config(reader: Any, arch: str, tensor_names: set[str], path: Path) -> dict[
             raise meta._bad(kv_key, kv_heads, "a positive integer or a list of them")
         kv_heads = max(kv_heads)
     kv_heads = meta.count("attention.head_count_kv", kv_heads, required=True)
-    head_dim = meta.count("attention.key_length") or meta.count("rope.dimension_count") or hidden // heads
+    rotary = meta.count("rope.dimension_count")
+    head_dim = meta.count("attention.key_length") or (None if declared.rotary_dims else rotary) or hidden // heads
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else meta.count("vocab_size")
     scaling = None
@@ -248,8 +287,8 @@ def _config(reader: Any, arch: str, tensor_names: set[str], path: Path) -> dict[
         if (orig := meta.count("rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = orig
     config: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [declared.architecture],
+        "model_type": declared.model_type,
         "hidden_size": hidden,
         "intermediate_size": meta.count("feed_forward_length"),
         "num_hidden_layers": meta.count("block_count", required=True),
@@ -268,27 +307,64 @@ def _config(reader: Any, arch: str, tensor_names: set[str], path: Path) -> dict[
     }
     if (pad := meta.token_id("padding_token_id")) is not None:
         config["pad_token_id"] = pad
-    if arch == "qwen2":
-        config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_names)
+    if declared.rotary_dims and rotary is not None and rotary != head_dim:
+        config["partial_rotary_factor"] = rotary / head_dim
+    for tensor in reader.tensors:
+        if (hf_field := declared.config_tensors.get(_stem(tensor.name)[0])) is not None:
+            values = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+            if tensor.tensor_type.name not in ("F32", "F16") or not np.isfinite(values).all():
+                raise TopqError(f"{path}: {tensor.name} must hold finite F32 / F16 values")
+            config[hf_field] = [float(np.float32(v)) for v in values]
+    config.update(declared.defaults)
+    for key, hf_field in declared.metadata.items():
+        if (value := meta.value(key)) is not None:
+            config[hf_field] = value
+    for hf_field, suffix in declared.flags.items():
+        config[hf_field] = any(n.endswith(suffix) for n in tensor_names)
+    if declared.derive is not None:
+        config.update(declared.derive(config))
     return normalize_rope(config)
 
 
-def _entries(reader: Any, config: dict[str, Any], arch: str, path: Path) -> dict[str, _Entry]:
+def _entries(reader: Any, config: dict[str, Any], declared: GGUFArchitecture, path: Path) -> dict[str, _Entry]:
+    heads = {"heads": config["num_attention_heads"], "kv_heads": config["num_key_value_heads"]}
     entries: dict[str, _Entry] = {}
+
+    def add(hf: str, entry: _Entry) -> None:
+        if hf in entries:
+            raise TopqError(f"{path}: two tensors map to {hf}")
+        entries[hf] = entry
+
     for t in reader.tensors:
-        hf = gguf_to_hf_name(t.name)
         if t.tensor_type.name.startswith("I"):  # model weights are float or quantized; checked before any work
             raise TopqError(f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, not a floating-point or "
                             "quantized type (a damaged file, or its type was changed)")
-        heads = 0
-        if arch == "llama" and (m := _BLOCK_RE.fullmatch(t.name)) and m.group(2) in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads"] if m.group(2) == "attn_q" else config["num_key_value_heads"]
+        stem, layer, suffix = _stem(t.name)
+        if stem in declared.config_tensors:  # read into the config, not a weight
+            continue
+        if stem in declared.refused:
+            raise TopqError(f"{path}: tensor {t.name}: {declared.refused[stem]}")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if heads and shape[0] % (2 * heads):
-            raise TopqError(f"{path}: {t.name} has {shape[0]} rows, not a multiple of 2 x {heads} heads")
-        if hf in entries:
-            raise TopqError(f"{path}: two tensors map to {hf}")
-        entries[hf] = _Entry(t, shape, heads)
+        spec = declared.tensor(stem)
+        if spec is None:
+            if layer is not None:  # a block tensor the family does not read would be silently dropped
+                raise TopqError(f"{path}: tensor {t.name} is not part of GGUF architecture {declared.name!r} as "
+                                f"topq reads it ({declared.architecture})")
+            add(t.name, _Entry(t, shape, 0))  # kept under its GGUF name (e.g. rope_freqs)
+            continue
+        n_heads = heads[spec.permute] if spec.permute else 0
+        if n_heads and shape[0] % (2 * n_heads):
+            raise TopqError(f"{path}: {t.name} has {shape[0]} rows, not a multiple of 2 x {n_heads} heads")
+        if spec.row and len(shape) == 1:
+            shape = (1, *shape)
+        hf = f"{spec.hf.format(i=layer, e='{e}')}.{suffix}"
+        if "{e}" not in spec.hf:
+            add(hf, _Entry(t, shape, n_heads, offset=spec.offset))
+            continue
+        if len(shape) != 3:
+            raise TopqError(f"{path}: {t.name} has shape {list(shape)}, not [experts, rows, columns]")
+        for e in range(shape[0]):
+            add(hf.format(e=e), _Entry(t, shape[1:], n_heads, e, spec.offset))
     return entries
 
 
@@ -357,18 +433,16 @@ def detect(path: Path) -> bool:
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
-    """Open a .gguf file (llama, qwen2, qwen3 architectures)."""
+    """Open a .gguf file of an architecture some registered family declares (`ModelFamily.formats["gguf"]`)."""
     path = Path(path)
     if not path.is_file():
         raise TopqError(f"gguf checkpoint: no such file {path}")
     parsed = _parsed(path)
     reader = parsed.reader
-    arch = _field(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise TopqError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
+    declared = _architecture(_field(reader, "general.architecture"), path)
     tensor_names = {t.name for t in reader.tensors}
-    config = _config(reader, arch, tensor_names, path)
-    weights = GGUFStore(path, reader, _entries(reader, config, arch, path))
+    config = _config(reader, declared, tensor_names, path)
+    weights = GGUFStore(path, reader, _entries(reader, config, declared, path))
     config["topq_gguf_dequantized"] = weights.dequantized_types()  # GGML types with no exact repack: warn
     return Checkpoint(path=path, format="gguf", config=config, weights=weights,
                       tokenizer_files=parsed.tokenizer_files())

@@ -17,8 +17,12 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
                                 layer_windows=layer_windows(config, lambda layer: layer % 2 == 0))
 
 
+#: llama.cpp's defaults for files without the soft-capping keys are Gemma 2's own, 50 and 30.
+SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+GGUF = gemma.gemma_gguf("gemma2", "Gemma2ForCausalLM", "gemma2", layers_27b=46, metadata={k: k for k in SOFTCAPS},
+                        defaults={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
 FAMILY = gemma.gemma_family("gemma2", "Gemma2ForCausalLM", "gemma2", normalize, gemma.GEMMA_FIELDS,
-                            "Gemma 2 (soft-capping, alternating sliding window)")
+                            "Gemma 2 (soft-capping, alternating sliding window)", GGUF)
 
 
 @topq.hookimpl

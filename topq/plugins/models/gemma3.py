@@ -38,8 +38,11 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
                                 qk_norm=True, layer_windows=layer_windows(config, lambda i: (i + 1) % pattern != 0))
 
 
+#: GGUF keeps the global layers' RoPE base; llama.cpp fixes the sliding layers' at 10000, as `rope` does without one.
+GGUF = gemma.gemma_gguf("gemma3", "Gemma3ForCausalLM", "gemma3_text", layers_27b=62,
+                        metadata={"final_logit_softcapping": "final_logit_softcapping"}, defaults={})
 FAMILY = gemma.gemma_family("gemma3", "Gemma3ForCausalLM", "gemma3_text", normalize, FIELDS,
-                            "Gemma 3 text (q/k norm, local RoPE, 5:1 sliding window)")
+                            "Gemma 3 text (q/k norm, local RoPE, 5:1 sliding window)", GGUF)
 
 
 @topq.hookimpl

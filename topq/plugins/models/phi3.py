@@ -7,9 +7,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import topq
+from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec
 from topq.core.hookspecs import Register
 from topq.models import decoder
+from topq.models.gguf import LLAMA_TENSORS, GGUFArchitecture
 from topq.models.weightmap import gate_up_sections, qkv_sections, split_rows, weight_map
 
 FIELDS = decoder.DECODER_FIELDS - {"attention_bias", "mlp_bias"} | {"sliding_window"}  # no biases in Phi-3
@@ -23,6 +25,31 @@ def normalize(config: Mapping[str, Any]) -> ModelSpec:
     return decoder.normalize_llama_like(config, "phi3", FIELDS, rope_scaling=scaling,
                                         layer_windows=decoder.layer_windows(config, lambda layer: True))
 
+
+def gguf_longrope(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """LongRoPE from the factor tensors llama.cpp writes for the long-context models (no `rope.scaling.type`)."""
+    if "long_factor" not in config:
+        return {}
+    if "short_factor" not in config:
+        raise TopqError("phi3 GGUF: rope_factors_long without rope_factors_short")
+    scaling = {"rope_type": "longrope", "long_factor": config["long_factor"], "short_factor": config["short_factor"],
+               "original_max_position_embeddings": config.get("original_max_position_embeddings")}
+    if config.get("rope_attention_factor") is not None:
+        scaling["attention_factor"] = config["rope_attention_factor"]
+    return {"rope_scaling": scaling}
+
+
+#: llama.cpp keeps Phi-3's fused tensors (attn_qkv; ffn_up is [gate; up]), writes a window of 0 for none and the
+#: LongRoPE factors as two tensors.
+GGUF = GGUFArchitecture(
+    name="phi3", architecture="Phi3ForCausalLM", model_type="phi3",
+    tensors={**LLAMA_TENSORS, "blk.{i}.attn_qkv": "model.layers.{i}.self_attn.qkv_proj",
+             "blk.{i}.ffn_up": "model.layers.{i}.mlp.gate_up_proj"},
+    metadata={"attention.sliding_window": "sliding_window",
+              "rope.scaling.original_context_length": "original_max_position_embeddings",
+              "rope.scaling.attn_factor": "rope_attention_factor"},
+    rotary_dims=True, config_tensors={"rope_factors_long": "long_factor", "rope_factors_short": "short_factor"},
+    derive=gguf_longrope)
 
 FAMILY = ModelFamily(
     name="phi3",
@@ -39,6 +66,7 @@ FAMILY = ModelFamily(
     }),
     config_fields=FIELDS,
     description="Phi-3 (fused qkv / gate_up, LongRoPE)",
+    formats={"gguf": GGUF},
 )
 
 

@@ -12,6 +12,7 @@ from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models.blocks import mlp, rms_norm, self_attention
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models.gguf import LLAMA_TENSORS, GGUFArchitecture
 from topq.models.sliding import QWEN_WINDOW_FIELDS, qwen_windows
 
 
@@ -37,6 +38,8 @@ FAMILY = ModelFamily(
     quant_groups=DECODER_QUANT_GROUPS,
     config_fields=QWEN_WINDOW_FIELDS,
     description="Qwen2, Qwen2.5 (q/k/v bias)",
+    formats={"gguf": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", "qwen2", LLAMA_TENSORS,
+                                      flags={"attention_bias": "attn_q.bias"})},
 )
 
 

@@ -13,6 +13,13 @@ from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models.blocks import rms_norm, self_attention
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models.gguf import (
+    LLAMA_TENSORS,
+    MOE_METADATA,
+    QWEN_MOE_TENSORS,
+    QWEN_SHARED_EXPERT_TENSORS,
+    GGUFArchitecture,
+)
 from topq.models.moe import QWEN_MOE_FIELDS, QWEN_SHARED_EXPERTS, moe_feed_forward, read_moe
 
 
@@ -29,6 +36,13 @@ def build_block(ctx: BlockContext) -> Value:
     return b.top.Add(x, moe_feed_forward(ctx, rms_norm(ctx, x, "post_attention_layernorm"), QWEN_SHARED_EXPERTS))
 
 
+#: llama.cpp's qwen2moe: every layer sparse, top-k scores not renormalised.
+GGUF = GGUFArchitecture(
+    name="qwen2moe", architecture="Qwen2MoeForCausalLM", model_type="qwen2_moe",
+    tensors={**LLAMA_TENSORS, **QWEN_MOE_TENSORS, **QWEN_SHARED_EXPERT_TENSORS},
+    metadata={**MOE_METADATA, "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    defaults={"norm_topk_prob": False}, flags={"qkv_bias": "attn_q.bias"})
+
 FAMILY = ModelFamily(
     name="qwen2_moe",
     architectures=("Qwen2MoeForCausalLM",),
@@ -39,6 +53,7 @@ FAMILY = ModelFamily(
     quant_groups=DECODER_QUANT_GROUPS,
     config_fields=QWEN_MOE_FIELDS,
     description="Qwen2-MoE / Qwen1.5-MoE (q/k/v bias, top-k experts, gated shared expert)",
+    formats={"gguf": GGUF},
 )
 
 

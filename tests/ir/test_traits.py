@@ -52,7 +52,9 @@ def test_trait_operands_are_within_each_ops_arity() -> None:
 def test_traits_classify_ops() -> None:
     assert [lin.role for lin in traits_of("top.MLP").linears] == ["gate", "up", "down"]
     assert traits_of("top.MatMul").linears[0].layout_attr == "right_transpose"
-    assert traits_of("top.MatMulInt8").linears == ()  # already quantized: no weight-quantization site
+    assert traits_of("top.MatMulInt8").linears == ()  # codes already: no weight-quantization site
+    (a8,) = traits_of("top.A8MatMul").linears  # int8 activations on a weight the scheme quantizes
+    assert (a8.weight, a8.input, a8.bias, a8.layout_attr) == (1, 0, 2, None)
     assert {n for n in CATALOGUE if n.startswith("top.") and traits_of(n).elementwise} == {
         "top.Add", "top.Mul", "top.MulConst", "top.SiLU", "top.Tanh", "top.GELU", "top.Sigmoid", "top.Softplus",
         "top.Exp"}

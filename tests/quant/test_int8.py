@@ -244,12 +244,15 @@ def test_host_static_requant_linear_equals_an_integer_implementation() -> None:
 
 
 def test_bm1684x_program_with_static_requant_matches_host_bit_exactly() -> None:
-    """A hand-built Top module (requantizing linears with and without bias, a dynamic one) compiled for bm1684x:
-    the lowering computes multiplier / rshift / bias_q tensors, the emulator equals the host after the op-boundary
-    bf16 rounding, bit for bit (the dynamic linear: float dequantization, unchanged)."""
+    """A hand-built Top module (requantizing linears with and without bias, a dynamic one) whose weights' int8
+    values come from the scheme contract (`CompileJob.quantized`), compiled for bm1684x and for the host: the
+    bm1684x lowering computes multiplier / rshift / bias_q tensors, the host lowers to `top.MatMulInt8` on the
+    codes, and the emulator equals the host after the op-boundary bf16 rounding, bit for bit (the dynamic linear:
+    float dequantization, unchanged)."""
     import ml_dtypes
 
     from topq.core.plugins import get_plugins
+    from topq.core.quant import QuantizedWeight
     from topq.core.target import CompileJob
     from topq.ir.builder import Builder
     from topq.ir.interpreter import Interpreter
@@ -260,40 +263,53 @@ def test_bm1684x_program_with_static_requant_matches_host_bit_exactly() -> None:
     from topq.plugins.targets.bm1684x.compiler import compile_model
     from topq.plugins.targets.bm1684x.emulator import Emulator
     from topq.plugins.targets.bm1684x.spec import BM1684X
+    from topq.plugins.targets.host import compile_host
 
     rng = np.random.default_rng(9)
     n, k = 40, 64
-    weights: dict[str, np.ndarray] = {}
+    values: dict[str, QuantizedWeight] = {}
     for name in ("a", "b", "c"):
         codes, w_scale = quantize_weight(rng.normal(size=(n, k)), "bf16")
-        weights[f"{name}.qweight"], weights[f"{name}.wscale"] = codes.astype(np.float32), w_scale
-    weights["a.bias"] = rng.normal(size=n).astype(np.float32) * 4
+        values[name] = QuantizedWeight(codes, w_scale[:, None], np.zeros((n, 1), np.float32), 8, k, True)
+    weights = {name: q.dequantize() for name, q in values.items()}
+    # a bias a bf16 checkpoint holds: the host bundle stores it in the compute dtype, bm1684x quantizes it to int32
+    weights["a.bias"] = (rng.normal(size=n) * 4).astype(ml_dtypes.bfloat16).astype(np.float32)
     b = Builder()
     functions = {"with_bias": ("a", {"act_scale": 0.021, "out_scale": 0.043}),
                  "saturating": ("b", {"act_scale": 0.019, "out_scale": 0.011}),
                  "dynamic": ("c", {"dynamic": True, "out_scale": 0.05})}
     for fname, (w, attrs) in functions.items():
         with b.function(fname, TensorType((1, 7, k))) as f:
-            operands = [f.args[0], b.weight(f"{w}.qweight", TensorType((n, k))),
-                        b.weight(f"{w}.wscale", TensorType((n,)))]
+            operands = [f.args[0], b.weight(w, TensorType((n, k)))]
             if f"{w}.bias" in weights:
                 operands.append(b.weight(f"{w}.bias", TensorType((n,))))
-            f.returns(b.top.MatMulInt8(*operands, loc=fname, **attrs))
+            f.returns(b.top.A8MatMul(*operands, loc=fname, **attrs))
     text = print_module(b.module)
-    job = CompileJob(module=parse_module(text), spec=None, weights=weights.__getitem__,  # type: ignore[arg-type]
-                     scheme=get_plugins().schemes.get("int8"), quant_options={}, recipe={})
-    compiled = compile_model(job, BM1684X)
+
+    def job() -> CompileJob:
+        return CompileJob(module=parse_module(text), spec=None, weights=weights.__getitem__,  # type: ignore[arg-type]
+                          scheme=get_plugins().schemes.get("int8"), quant_options={}, recipe={},
+                          quantized=values.get, quant_spec=lambda name: values[name].spec if name in values else None)
+
+    compiled = compile_model(job(), BM1684X)
     assert compiled.manifest["a.multiplier"] == TensorType((n,), "i32")
     assert compiled.manifest["a.rshift"] == TensorType((n,), "i8")
     assert compiled.manifest["a.bias_q"] == TensorType((n,), "i32")
+    assert compiled.manifest["a.qweight"] == TensorType((n, k), "i8")
     assert "b.multiplier" in compiled.manifest and "b.bias_q" not in compiled.manifest
     assert "a.wscale" not in compiled.manifest and "c.wscale" in compiled.manifest  # only the float path ships it
     tensors = dict(compiled.produce(list(compiled.manifest)))
-    m, s = requant_params(0.021, weights["a.wscale"], 0.043)
+    np.testing.assert_array_equal(tensors["a.qweight"], values["a"].codes)
+    m, s = requant_params(0.021, values["a"].scales[:, 0], 0.043)
     np.testing.assert_array_equal(tensors["a.multiplier"], m)
     np.testing.assert_array_equal(tensors["a.rshift"], s)
     emulator = Emulator(compiled.program, tensors.__getitem__, BM1684X, checker=True)
-    host = Interpreter(parse_module(text), weights.__getitem__)
+    host_compiled = compile_host(job())
+    assert set(host_compiled.manifest) == {"a.qweight", "a.wscale", "a.bias", "b.qweight", "b.wscale", "c.qweight",
+                                           "c.wscale"}  # the float weights the lowering orphaned are gone
+    host_tensors = dict(host_compiled.produce(list(host_compiled.manifest)))
+    np.testing.assert_array_equal(host_tensors["b.qweight"], values["b"].codes.astype(np.float32))
+    host = Interpreter(parse_module(host_compiled.program), host_tensors.__getitem__)
 
     def bf16(a: np.ndarray) -> np.ndarray:
         return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
@@ -312,6 +328,33 @@ def test_bm1684x_program_with_static_requant_matches_host_bit_exactly() -> None:
     assert broken != compiled.program
     with pytest.raises(TopqError, match=r"MatMulInt8 \(float dequantization\) takes x, codes, w_scale"):
         verify_module(parse_module(broken))
+    # a weight without per-channel int8 values cannot be lowered (named)
+    del values["c"]
+    with pytest.raises(TopqError, match=r"dynamic: its weight must be quantized per channel to symmetric int8"):
+        compile_host(job())
+
+
+def test_a8_matmul_reference_on_dequantized_weights_equals_the_integer_kernel() -> None:
+    """`top.A8MatMul`'s reference semantics (the scheme's int8 weight as dequantized values) and the integer
+    kernel on its codes (`top.MatMulInt8`, what targets run) agree: exactly on the float path without bias, to
+    float rounding with a bias, and to at most one requantized output code."""
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(48, 96)).astype(np.float32)
+    x = rng.normal(size=(2, 5, 96)).astype(np.float32)
+    bias = rng.normal(size=48).astype(np.float32)
+    codes, scale = quantize_weight(w, "bf16")
+    dequantized = (codes.astype(np.float32) * scale[:, None]).astype(np.float32)
+    a8, int8 = REFERENCE_OPS["top.A8MatMul"], REFERENCE_OPS["top.MatMulInt8"]
+    for attrs in ({"act_scale": 0.02}, {"dynamic": True}, {"act_scale": 0.02, "out_scale": 0.05}):
+        for extra in ([], [bias]):
+            got = a8([x, dequantized, *extra], attrs)[0]
+            want = int8([x, codes.astype(np.float32), scale, *extra], attrs)[0]
+            if "out_scale" in attrs:
+                assert np.abs(got - want).max() <= 0.05 * 1.0001 and (got != want).mean() < 0.01
+            elif extra:
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+            else:
+                np.testing.assert_array_equal(got, want)
 
 
 def outlier_problem(seed: int = 5) -> tuple[np.ndarray, np.ndarray]:

@@ -40,7 +40,7 @@ class SchemeProduct:
 
     `compute_dtype`: activations, float weights and quantization scales (f32, bf16, f16);
     `weight_bits`: bit widths of the `QuantizedWeight`s it may return (() = float weights only; each weight's
-    exact layout is its `QuantSpec`); `int8_activations`: linears compute on int8 activations (`top.MatMulInt8`);
+    exact layout is its `QuantSpec`); `int8_activations`: linears compute on int8 activations (`top.A8MatMul`);
     `act_order`: its weights may come in act-order groups (a permuted `g_idx`, GPTQ's `act_order`).
     """
 

@@ -1,4 +1,5 @@
-"""W8A8 arithmetic shared by the `int8` scheme, the host's `top.MatMulInt8` kernel and targets' emulators.
+"""W8A8 arithmetic shared by the `int8` scheme, the host's `top.MatMulInt8` kernel and targets' emulators, and the
+reference semantics of `top.A8MatMul` (`a8_matmul`: the same linear on the weight's dequantized values).
 
 One convention everywhere (symmetric, int8 range ±127 — -128 is never produced for activations or weights, as
 TPU-MLIR's symmetric int8; only the requantized output of the static path below saturates to [-128, 127]):
@@ -211,3 +212,27 @@ def matmul_int8(x: np.ndarray, codes: np.ndarray, w_scale: np.ndarray, act_scale
     if bias is not None:
         y += np.asarray(bias, dtype=F32)
     return y.reshape(*lead, codes.shape[0])
+
+
+def a8_matmul(x: np.ndarray, w: np.ndarray, act_scale: float, dynamic: bool, bias: np.ndarray | None = None,
+              out_scale: float = 0.0) -> np.ndarray:
+    """`top.A8MatMul` on the weight's values w [N, K] (its int8 codes times their scales, as `dequantize()` gives
+    them): the activations quantized as in `matmul_int8`, the products summed in float64 (exact when w is codes
+    times per-row scales), times the activation scale; static with `out_scale > 0`, rounded to int8 output codes
+    times out_scale in float. A target's integer kernel (`matmul_int8` on the codes: TPU-MLIR's multiplier and
+    shift) computes the same up to the last float rounding of a sum and, requantized, an output code at a tie."""
+    x = np.asarray(x, dtype=F32)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    sx = token_scales(x2) if dynamic else np.full((x2.shape[0], 1), act_scale, F32)
+    acc = quantize_act(x2, sx).astype(np.float64) @ np.asarray(w, dtype=np.float64).T
+    y = acc * sx.astype(np.float64)
+    if uses_requant(dynamic, out_scale):
+        if bias is not None:
+            y += np.asarray(bias, dtype=F32).astype(np.float64)
+        y_code = np.clip(round_half_away(y / float(out_scale)), INT8_MIN, INT8_MAX)
+        return (y_code.astype(F32) * F32(out_scale)).reshape(*lead, w.shape[0])
+    y = y.astype(F32)
+    if bias is not None:
+        y += np.asarray(bias, dtype=F32)
+    return y.reshape(*lead, w.shape[0])

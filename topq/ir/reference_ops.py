@@ -613,6 +613,14 @@ def _matmul_int8(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.nda
                         bool(attrs.get("dynamic", False)), _opt(inputs, 3), float(attrs.get("out_scale", 0.0)))]
 
 
+def _a8_matmul(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
+    from topq.ir.int8 import a8_matmul
+
+    _arity("top.A8MatMul", inputs, 2, 3)
+    return [a8_matmul(inputs[0], inputs[1], float(attrs.get("act_scale", 0.0)), bool(attrs.get("dynamic", False)),
+                      _opt(inputs, 2), float(attrs.get("out_scale", 0.0)))]
+
+
 REFERENCE_OPS: dict[str, Kernel] = {
     "top.Input": _input,
     "top.Gather": _gather,
@@ -636,5 +644,6 @@ REFERENCE_OPS: dict[str, Kernel] = {
     "top.TopK": _topk,
     "top.MoE": _moe,
     "top.MatMulInt8": _matmul_int8,
+    "top.A8MatMul": _a8_matmul,
     **LINEAR_ATTENTION_OPS,
 }

@@ -225,15 +225,27 @@ def _topk(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     return [x.with_shape(shape), TensorType(shape, "i32")]
 
 
+def _int8_attrs(op: str, attrs: dict[str, Any]) -> None:
+    if not attrs["dynamic"] and not attrs["act_scale"] > 0:
+        raise InferError(f"{op} needs act_scale > 0 unless dynamic")
+    if not attrs["out_scale"] >= 0:
+        raise InferError(f"{op} out_scale must be >= 0 (0: float dequantization), got {attrs['out_scale']}")
+
+
+def _a8_matmul(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
+    x, w, *bias = _tensors(types)
+    if w.rank != 2:
+        raise InferError(f"A8MatMul wants a weight [N, K], got {list(w.shape)}")
+    _int8_attrs("A8MatMul", attrs)
+    return _matmul([x, w, *bias], {"right_transpose": True})
+
+
 def _matmul_int8(types: Sequence[Type], attrs: dict[str, Any]) -> list[Type]:
     x, codes, w_scale, *bias = _tensors(types)
     if codes.rank != 2 or w_scale.shape != codes.shape[:1]:
         raise InferError(f"MatMulInt8 wants codes [N, K] and w_scale [N], got {list(codes.shape)} and "
                          f"{list(w_scale.shape)}")
-    if not attrs["dynamic"] and not attrs["act_scale"] > 0:
-        raise InferError("MatMulInt8 needs act_scale > 0 unless dynamic")
-    if not attrs["out_scale"] >= 0:
-        raise InferError(f"MatMulInt8 out_scale must be >= 0 (0: float dequantization), got {attrs['out_scale']}")
+    _int8_attrs("MatMulInt8", attrs)
     return _matmul([x, codes, *bias], {"right_transpose": True})
 
 
@@ -285,14 +297,21 @@ define("top.GELU", 1, attrs={"approximate": A("str", "none", ("none", "tanh"))},
 define("top.Softmax", 1, attrs={"axis": A("int", -1)}, infer=_same, traits=PLAIN)
 define("top.TopK", 1, results=2, attrs={"k": A("int"), "axis": A("int", -1), "largest": A("bool", True)},
        infer=_topk, traits=PLAIN)
-# W8A8 linear (the `int8` scheme): x quantized per tensor (act_scale) or per row (dynamic), int8 codes [N, K] held
+INT8_ATTRS = {"act_scale": A("float", 0.0), "dynamic": A("bool", False), "out_scale": A("float", 0.0)}
+# A linear on int8 activations (what the `int8` scheme writes): x quantized per tensor (act_scale) or per row
+# (dynamic) times the weight W [N, K], whose int8 values (per channel) are the scheme's `QuantizedWeight` for W,
+# handed to the target like any quantized weight's; optionally requantized to int8 output codes (static,
+# out_scale > 0). Targets lower it to their integer kernel (host: top.MatMulInt8 on W's codes and scales).
+define("top.A8MatMul", (2, 3), attrs=INT8_ATTRS, infer=_a8_matmul,
+       traits=Traits(weights=(1, 2), linears=(Linear(1, 0, bias=2),)),
+       doc="y = q(x) Wᵀ · scale_x [+ bias] on int8 activations with the scheme's int8 W; requantized to int8 codes "
+           "times out_scale when static with out_scale > 0")
+# The W8A8 kernel on explicit codes: x quantized per tensor (act_scale) or per row (dynamic), int8 codes [N, K] held
 # as integers in a float tensor, per-channel w_scale [N]; see topq/ir/int8.py for the exact arithmetic.
 # Static with out_scale > 0: the int32 accumulator (+ bias quantized to it) is requantized to int8 output codes by
 # a per-channel integer multiplier and right shift (r = act_scale · w_scale[n] / out_scale), y = code · out_scale.
 # dynamic or out_scale == 0: float dequantization (per-token scales are run-time values: no static multiplier).
-define("top.MatMulInt8", (3, 4), attrs={"act_scale": A("float", 0.0), "dynamic": A("bool", False),
-                                        "out_scale": A("float", 0.0)},
-       infer=_matmul_int8,
+define("top.MatMulInt8", (3, 4), attrs=INT8_ATTRS, infer=_matmul_int8,
        # Already quantized: its weights are no site for weight quantization (no `linears`).
        traits=Traits(weights=(1, 2, 3)),
        doc="y = (q(x) codesᵀ) * (scale_x * w_scale) [+ bias], or requantized by M·2^-s to "

@@ -134,7 +134,7 @@ def _function_with(op_name: str) -> Function:
 
 
 def test_unmapped_op_is_refused_by_name() -> None:
-    for op_name in ("top.DSLRegion", "top.MatMulInt8"):
+    for op_name in ("top.DSLRegion", "top.A8MatMul", "top.MatMulInt8"):
         with pytest.raises(TopqError, match=rf"function block_0: op {re.escape(op_name)} has no TPU-MLIR mapping"):
             translate_function(_function_with(op_name), lambda name: np.zeros(1, np.float32))
 

@@ -10,8 +10,12 @@ Pipeline (`calibrate(model, recipe)`, see docs/quantization.md):
 3. SmoothQuant (`smooth_alpha`): s_j = max|X_j|^α / max|W_j|^(1-α); W·s is quantized and 1/s is folded into the
    RMSNorm weight in front (q/k/v, gate/up), into the up projection's rows (down: h = act(g)·up is linear in up),
    or applied as an explicit `top.Mul` (o_proj);
-4. the Top program is rewritten in place: int8 linears become `top.MatMulInt8(x, <w>.qweight, <w>.wscale)`
-   (codes and bf16 per-channel scales as new weights), a split `top.MLP` where any of its linears is int8;
+4. the Top program is rewritten in place: int8 linears become `top.A8MatMul(x, w)` (int8 activations) and their
+   values — per-channel symmetric int8 codes of the (smoothed) weight with bf16 scales — are the scheme's
+   `QuantizedWeight`s, returned through the scheme contract like any scheme's, so each target stores them its
+   own way (host: codes and scales for `top.MatMulInt8`; bm1684x: i8 codes and requantization multipliers);
+   the float tensors smoothing changes (folded norms, smoothed bf16 linears, 1/s factors) are the result's
+   `float_weights`; a `top.MLP` is split where any of its linears is int8;
 5. `budget`: greedy mixed precision — linears go back to BF16, most damaging first, until the held-out
    perplexity is within budget × the BF16 model's.
 
@@ -36,7 +40,7 @@ from tqdm import tqdm
 import topq
 from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
-from topq.core.quant import Option, QuantScheme, SchemeProduct
+from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
 from topq.core.recipe import Field
 from topq.core.stages import rope_weights
 from topq.io.files import atomic_file
@@ -414,37 +418,36 @@ def _effective(weights: Callable[[str], np.ndarray], name: str, smooth: Mapping[
 # ============================================================================ rewriting the program
 
 
-class LazyWeights(dict):  # type: ignore[type-arg]
-    """extra_weights whose values may be zero-argument callables, computed when read (not kept: a target streams
-    one weight at a time, so the whole int8 model never sits in memory twice)."""
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        value = super().__getitem__(key)
-        return value() if callable(value) else value
-
-
-def install_weights(model: Any, plan: Int8Plan, sites: list[Site]) -> None:
-    """Put the rewritten program's new tensors (codes, scales, smoothed/folded float weights) into the model."""
-    store = model.checkpoint.weights
-    original = store.get
-    extra = LazyWeights(model.extra_weights)
-    eff = lambda n: _effective(original, n, plan.smooth, sites)  # noqa: E731
+def int8_values(weights: Callable[[str], np.ndarray], plan: Int8Plan, sites: list[Site]) -> dict[str, QuantizedWeight]:
+    """The scheme's values of its int8 linears: per output channel, symmetric int8 codes of the weight the linear
+    computes with (smoothed) and the scale in SCALE_DTYPE (`topq.ir.int8.quantize_weight`)."""
+    values = {}
     for name, mode in plan.modes.items():
         if mode == "int8":
-            extra[f"{name}.qweight"] = lambda n=name: quantize_weight(eff(n), SCALE_DTYPE)[0].astype(np.float32)
-            extra[f"{name}.wscale"] = lambda n=name: quantize_weight(eff(n), SCALE_DTYPE)[1]
-        elif _smoothed(name, plan, sites):
-            extra[f"{name}.smoothed"] = lambda n=name: eff(n)
+            codes, scale = quantize_weight(_effective(weights, name, plan.smooth, sites), SCALE_DTYPE)
+            n, k = codes.shape
+            values[name] = QuantizedWeight(codes, scale[:, None], np.zeros((n, 1), np.float32), 8, k, True)
+    return values
+
+
+def float_rewrites(weights: Callable[[str], np.ndarray], plan: Int8Plan, sites: list[Site]) -> dict[str, np.ndarray]:
+    """The float tensors the rewritten program reads instead of (or beside) the checkpoint's: smoothed linears
+    kept in bf16 (`<w>.smoothed`), norm weights with 1/s folded in (under their own names), explicit 1/s
+    factors (`<site>.smooth_inv`)."""
+    out: dict[str, np.ndarray] = {}
+    for name, mode in plan.modes.items():
+        if mode != "int8" and _smoothed(name, plan, sites):
+            out[f"{name}.smoothed"] = _effective(weights, name, plan.smooth, sites)
     for site in sites:
         s = plan.smooth.get(site.key)
         if s is None:
             continue
         if site.fold == "norm":
             assert site.fold_weight is not None
-            extra[site.fold_weight] = lambda w=site.fold_weight, s=s: (original(w) / s).astype(np.float32)
+            out[site.fold_weight] = (np.asarray(weights(site.fold_weight), np.float32) / s).astype(np.float32)
         elif site.fold == "mul":
-            extra[f"{site.key}.smooth_inv"] = (1.0 / s).astype(np.float32)
-    model.extra_weights = extra
+            out[f"{site.key}.smooth_inv"] = (1.0 / s).astype(np.float32)
+    return out
 
 
 def _smoothed(name: str, plan: Int8Plan, sites: list[Site]) -> bool:
@@ -469,10 +472,8 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
     def linear(rw: Rewriter, x: Value, w: Value, bias: list[Value], name: str, loc: str | None) -> Value:
         b = rw.builder
         n, k = w.shape
-        if plan.modes[name] == "int8":
-            codes = b.op("top.Weight", result_types=[f32(n, k)], name=f"{name}.qweight")
-            scale = b.op("top.Weight", result_types=[f32(n)], name=f"{name}.wscale")
-            return b.op("top.MatMulInt8", x, codes, scale, *bias, loc=loc, dynamic=dynamic,
+        if plan.modes[name] == "int8":  # w's int8 values are the scheme's QuantizedWeight for it
+            return b.op("top.A8MatMul", x, w, *bias, loc=loc, dynamic=dynamic,
                         act_scale=0.0 if dynamic else plan.act_scales[name],
                         out_scale=0.0 if dynamic else plan.out_scales.get(name, 0.0))
         if _smoothed(name, plan, sites):
@@ -528,21 +529,26 @@ def rewrite_program(module: Module, plan: Int8Plan, sites: list[Site], dynamic: 
 
 
 class _MixedInterpreter(Interpreter):
-    """Runs an all-int8 program with a chosen set of linears switched back to their (smoothed) bf16 weights."""
+    """Runs an all-int8 program with a chosen set of linears switched back to their (smoothed) bf16 weights; the
+    int8 ones compute exactly as a host bundle does (`top.MatMulInt8` on their codes and scales)."""
 
-    def __init__(self, module: Module, weights: Callable[[str], np.ndarray]) -> None:
+    def __init__(self, module: Module, weights: Callable[[str], np.ndarray],
+                 values: Mapping[str, QuantizedWeight]) -> None:
         super().__init__(module, weights)
         self.bf16: set[str] = set()
         self._float: dict[str, np.ndarray] = {}
+        self._codes = {n: (q.codes.astype(np.float32), q.scales[:, 0]) for n, q in values.items()}
 
     def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        if step.op.name == "top.MatMulInt8":
-            name = str(weight_name(step.op.operands[1]))[: -len(".qweight")]
+        if step.op.name == "top.A8MatMul":
+            name = str(weight_name(step.op.operands[1]))
             if name in self.bf16:
                 w = self._float.get(name)
                 if w is None:  # codes * scale is not the float weight: rebuild it from the smoothed one
                     w = self._float[name] = self.weights(f"{name}.float")
-                return REFERENCE_OPS["top.MatMul"]([inputs[0], w, *inputs[3:]], {"right_transpose": True})
+                return REFERENCE_OPS["top.MatMul"]([inputs[0], w, *inputs[2:]], {"right_transpose": True})
+            codes, scale = self._codes[name]
+            return REFERENCE_OPS["top.MatMulInt8"]([inputs[0], codes, scale, *inputs[2:]], step.attrs)
         return step.kernel(inputs, step.attrs)
 
 
@@ -550,7 +556,8 @@ SENSITIVITY_WINDOWS = 2  # held-out windows the per-linear sensitivity pass runs
 
 
 def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
-                    dynamic: bool) -> dict[str, Any]:
+                    dynamic: bool, values: Mapping[str, QuantizedWeight],
+                    floats: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """Keep the most damaging linears in bf16 until held-out perplexity ≤ budget × the all-bf16 model's.
 
     1. sensitivity: each linear alone in int8 (everything else bf16), perplexity on the first
@@ -563,7 +570,9 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     module = cm.module
     rewrite_program(module, plan, cm.sites, dynamic)
     spec, family = model.spec, model.family
-    host = lambda n: round_to_dtype(model.weight(n), SCALE_DTYPE)  # noqa: E731  (what a bf16 host bundle computes)
+    def host(n: str) -> np.ndarray:  # what a bf16 host bundle computes with (smoothing's float rewrites first)
+        return round_to_dtype(floats[n] if n in floats else model.weight(n), SCALE_DTYPE)
+
     rope = rope_weights(spec, cm.seq_len)
     eff = lambda n: _effective(model.checkpoint.weights.get, n, plan.smooth, cm.sites)  # noqa: E731
 
@@ -574,7 +583,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
             return round_to_dtype(eff(n[: -len(".float")]), SCALE_DTYPE)
         return host(n)
 
-    interp = _MixedInterpreter(module, weights)
+    interp = _MixedInterpreter(module, weights, values)
     head = host(family.global_weights["embed" if spec.tie_word_embeddings else "lm_head"])
     norm = host(family.global_weights["final_norm"])
     positions = np.arange(cm.seq_len, dtype=np.int32)[None]
@@ -677,7 +686,7 @@ class _ErrorInterpreter(Interpreter):
 
 
 def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: np.ndarray,
-                 dynamic: bool) -> list[dict[str, Any]]:
+                 dynamic: bool, values: Mapping[str, QuantizedWeight]) -> list[dict[str, Any]]:
     """Per linear, the relative Frobenius error ||XWᵀ − f(X)||/||XWᵀ|| of its planned form f (int8 with the plan's
     scales and smoothing, or bf16) against the float linear, X = the float model's inputs on the first
     `REPORT_WINDOWS` calibration windows."""
@@ -691,12 +700,11 @@ def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: n
         s = plan.smooth.get(site_of[name].key)
         x_s = x if s is None else x / s
         if name not in forms:
-            w_eff = _effective(store.get, name, plan.smooth, cm.sites)
             if plan.modes[name] == "bf16":
+                w_eff = _effective(store.get, name, plan.smooth, cm.sites)
                 forms[name] = (round_to_dtype(w_eff, SCALE_DTYPE).astype(np.float64),)
             else:
-                q, scale = quantize_weight(w_eff, SCALE_DTYPE)
-                forms[name] = (q.astype(np.float32), scale)
+                forms[name] = (values[name].codes.astype(np.float32), values[name].scales[:, 0])
         if plan.modes[name] == "bf16":
             return x_s.astype(np.float64) @ forms[name][0].T
         q, scale = forms[name]
@@ -739,6 +747,7 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
                         "use rtn, gptq, awq or autoround")
     opts = Int8Options.from_recipe(recipe)
     linears = _linear_names(model)
+    store = model.checkpoint.weights
     table = Path(opts.table) if opts.table else None
     windows: np.ndarray | None = None  # none when the table is reused: no calibration data is read
     if table is not None and table.exists():
@@ -761,28 +770,28 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
             cut = len(windows) - max(1, len(windows) // 4)
             windows, held_out = windows[:cut], windows[cut:]
         plan, cm = calibrate_plan(model, windows, linears, opts, executor)
-        if opts.budget is not None:
-            install_weights(model, plan, cm.sites)
-            plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic)
+        if opts.budget is not None:  # every planned linear is int8 until the search sends some back to bf16
+            values = int8_values(store.get, plan, cm.sites)
+            plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic,
+                                                           values, float_rewrites(store.get, plan, cm.sites))
         if table is not None:
             with atomic_file(table) as fh:
                 fh.write(plan.to_yaml().encode())
-    result = CalibrationResult()
-    result.state["int8_table"] = plan.to_yaml()  # what `restore` rebuilds the model from (workers that load this)
+    result = CalibrationResult(int8_values(store.get, plan, cm.sites))
+    result.float_weights = float_rewrites(store.get, plan, cm.sites)
+    result.state["int8_table"] = plan.to_yaml()  # what `restore` rewrites the program from (workers that load this)
     if windows is not None:
-        result.report = error_report(model, plan, linears, windows, opts.dynamic)
-    install_weights(model, plan, cm.sites)
+        result.report = error_report(model, plan, linears, windows, opts.dynamic, result)
     rewrite_program(model.module, plan, cm.sites, opts.dynamic)
     return result
 
 
 def restore(model: Any, recipe: Any, result: Any) -> None:
-    """Redo `calibrate`'s changes to the model (weights, program) from its stored result, without calibrating
-    (a worker that does not share the converting process's memory)."""
+    """Redo `calibrate`'s rewrite of the program from its stored result, without calibrating (a worker that does
+    not share the converting process's memory; the values and float rewrites come with the stored result)."""
     opts = Int8Options.from_recipe(recipe)
     plan = Int8Plan.from_yaml(result.state["int8_table"], "stored int8 calibration")
     cm = _calib_model(model, int(plan.info.get("seq_len", 16)), _linear_names(model))
-    install_weights(model, plan, cm.sites)
     rewrite_program(model.module, plan, cm.sites, opts.dynamic)
 
 

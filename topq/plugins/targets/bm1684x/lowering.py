@@ -10,10 +10,12 @@ Choices (those of BM1684X's compiler for LLMs):
   memory, which is the point of the fused kernel and halves the emulator's DDR traffic for decode. A mixed MLP
   (some weights quantized, some not) is split into matmuls + activation + Mul;
 * the lm_head matmul writes f32 logits (sampling wants them; rounding logits to bf16 flips near-ties);
-* a static `top.MatMulInt8` with `out_scale > 0` becomes the requantizing `tpu.MatMulInt8(x, codes, multiplier,
-  rshift[, bias_q])`: the per-channel i32 multipliers, the i8 right shifts and the i32 bias are bundle tensors
-  computed here from act_scale, out_scale and the w_scale / bias weights (`int8_math.requant_params`,
-  `quantize_bias`), as TPU-MLIR's BM1684X MatMul LoweringINT8 does; w_scale itself is then not shipped;
+* `top.A8MatMul` (int8 activations; its weight's values are the scheme's per-channel int8 `QuantizedWeight`)
+  becomes `tpu.MatMulInt8(x, codes, w_scale[, bias])` on the i8 codes (`<w>.qweight`) and the scales in the
+  mode's dtype (`<w>.wscale`); static with `out_scale > 0`, the requantizing `tpu.MatMulInt8(x, codes,
+  multiplier, rshift[, bias_q])`: the per-channel i32 multipliers, the i8 right shifts and the i32 bias are
+  bundle tensors computed here from act_scale, out_scale, the scales and the bias (`topq.ir.int8.requant_params`,
+  `quantize_bias`), as TPU-MLIR's BM1684X MatMul LoweringINT8 does; the scales themselves are then not shipped;
 * `top.MoE` becomes `tpu.MoE` with every expert (and shared-expert) linear float or all packed alike (one
   kernel configuration); its router and the shared expert's [1, H] gate stay float; the RMSNorm feeding it
   writes f32 so that routing sees the unrounded values;
@@ -36,7 +38,7 @@ from topq.ir.builder import Builder
 from topq.ir.graph import Block, Function, Module, Operation, Value
 from topq.ir.int8 import quantize_bias, requant_params, uses_requant
 from topq.ir.rewrite import Rewriter, apply_patterns
-from topq.ir.types import TensorType
+from topq.ir.types import TensorType, round_to_dtype
 from topq.plugins.targets.bm1684x import (
     dialect,  # noqa: F401  (registers the tpu ops)
     raw,
@@ -63,10 +65,12 @@ class TensorSource:
     """How codegen makes one bundle tensor: a float weight in `dtype`, or one part of a packed quantized weight."""
 
     source: str  # the checkpoint weight name
-    part: str  # "float", "weight", "scale", "zp", "int8" or (W8A8 requant) "multiplier", "rshift", "bias_q"
+    #: "float", "weight", "scale", "zp" (packed A16), "int8", "int8_scale" (W8A8 codes, scales) or (W8A8
+    #: requant) "multiplier", "rshift", "bias_q"
+    part: str
     type: TensorType
-    #: requant parts: (act_scale, out_scale) for multiplier / rshift (source: w_scale), (act_scale, w_scale name)
-    #: for bias_q (source: the float bias)
+    #: requant parts: (act_scale, out_scale) for multiplier / rshift (source: the int8 weight), (act_scale, int8
+    #: weight name) for bias_q (source: the float bias)
     params: tuple[Any, ...] = ()
 
 
@@ -100,7 +104,7 @@ class Lowering:
         self._quant: dict[str, QuantSpec | None] = {}
         self._packed: dict[str, dict[str, np.ndarray]] = {}
         self._requant: dict[Any, tuple[np.ndarray, np.ndarray]] = {}  # W8A8 (multiplier, rshift) being produced
-        self._int8_codes: set[str] = set()  # top.Weight names holding int8 codes (operand 1 of top.MatMulInt8)
+        self._int8: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # W8A8 (codes, scales) of the weight being produced
 
     # -- driver ----------------------------------------------------------------------------------------
     def run(self, module: Module) -> None:
@@ -109,8 +113,6 @@ class Lowering:
             for arg in function.args:  # activations cross function boundaries in the mode's dtype, states in f32
                 if isinstance(arg.type, TensorType) and arg.type.dtype in FLOAT_DTYPES and id(arg) not in states:
                     arg.type = arg.type.with_dtype(self.dtype)
-        self._int8_codes = {weight_source(op.operands[1]) or "" for f in module for op in f.walk()
-                            if op.name == "top.MatMulInt8"}
         apply_patterns(module, self.table())
         for function in module:
             for op in function.ops:  # top level: a tpu.DSLRegion's body is kernel IR, staged and inlined below
@@ -125,7 +127,7 @@ class Lowering:
         table["top.Input"] = [lambda op, rw: (rw.replace(op, [op.operands[0]]), True)[1]]
         table["top.Weight"] = [self._weight]
         table["top.MatMul"] = [self._matmul]
-        table["top.MatMulInt8"] = [self._matmul_int8]
+        table["top.A8MatMul"] = [self._a8_matmul]
         table["top.MLP"] = [self._mlp]
         table["top.MoE"] = [self._moe]
         table["top.FAttention"] = [self._fattention]
@@ -181,19 +183,18 @@ class Lowering:
             if src.part == "float":
                 array = self.job.weight_in(src.source, self.dtype)
             elif src.part == "int8":
-                codes = np.asarray(self.job.weights(src.source))
-                if codes.size and (np.abs(codes).max() > 127 or not np.array_equal(codes, np.round(codes))):
-                    raise TopqError(f"{src.source}: int8 codes must be integers in [-127, 127]")
-                array = codes.astype(np.int8)
+                array = self._int8_values(src.source)[0]
+            elif src.part == "int8_scale":
+                array = round_to_dtype(self._int8_values(src.source)[1], self.dtype).astype(src.type.np_dtype)
             elif src.part in ("multiplier", "rshift"):
                 key = (src.source, src.params)
                 if key not in self._requant:  # one linear's pair at a time (they are adjacent in the manifest)
                     act_scale, out_scale = src.params
-                    self._requant = {key: requant_params(act_scale, self.job.weights(src.source), out_scale)}
+                    self._requant = {key: requant_params(act_scale, self._int8_values(src.source)[1], out_scale)}
                 array = self._requant[key][0 if src.part == "multiplier" else 1]
             elif src.part == "bias_q":
-                act_scale, scale_name = src.params
-                array = quantize_bias(self.job.weights(src.source), act_scale, self.job.weights(scale_name))
+                act_scale, int8_weight = src.params
+                array = quantize_bias(self.job.weights(src.source), act_scale, self._int8_values(int8_weight)[1])
             else:
                 if src.source not in self._packed:
                     q = self.job.quantized(src.source)
@@ -205,6 +206,18 @@ class Lowering:
                 raise TopqError(f"tensor {name}: produced {array.dtype}{list(array.shape)}, the program expects "
                                 f"{src.type}")
             yield name, np.ascontiguousarray(array)
+
+    def _int8_values(self, source: str) -> tuple[np.ndarray, np.ndarray]:
+        """(i8 codes [N, K], f32 scales [N]) of a W8A8 linear's weight, from the scheme's values (one at a time)."""
+        if source not in self._int8:
+            q = self.job.quantized(source)
+            if q is None or q.bits != 8 or not q.symmetric or q.group_size != q.codes.shape[1] or np.any(q.zeros):
+                raise TopqError(f"{source}: top.A8MatMul needs the scheme's per-channel symmetric int8 values")
+            codes = np.asarray(q.codes)
+            if codes.size and (np.abs(codes).max() > 127 or not np.array_equal(codes, np.round(codes))):
+                raise TopqError(f"{source}: int8 codes must be integers in [-127, 127]")
+            self._int8 = {source: (codes.astype(np.int8), np.asarray(q.scales, np.float32)[:, 0])}
+        return self._int8[source]
 
     # -- patterns --------------------------------------------------------------------------------------
     def _same(self, name: str) -> Pattern:
@@ -219,12 +232,6 @@ class Lowering:
         return pattern
 
     def _weight(self, op: Operation, rw: Rewriter) -> bool:
-        name = op.attrs["name"]
-        if name in self._int8_codes:  # W8A8 codes: stored as i8, not in the float dtype
-            t = TensorType(tuple(op.results[0].type.shape), "i8")  # type: ignore[union-attr]
-            self._record(name, TensorSource(name, "int8", t))
-            rw.replace(op, [rw.builder.op("tpu.Weight", result_types=[t], name=name)])
-            return True
         value = self.float_weight(rw.builder, op.attrs["name"], op.results[0].type.shape)  # type: ignore[union-attr]
         rw.replace(op, [value])
         return True
@@ -253,35 +260,41 @@ class Lowering:
         rw.replace(op, [self._linear(rw.builder, x, w, bias, op.loc, out_dtype)])
         return True
 
-    def _matmul_int8(self, op: Operation, rw: Rewriter) -> bool:
-        attrs = {**op.attrs, "dtype": self.dtype}
+    def _a8_matmul(self, op: Operation, rw: Rewriter) -> bool:
+        x, w, *bias = op.operands
+        source = weight_source(w)
+        q = self.quantized(source)
+        if source is None or q is None or q.bits != 8 or not q.symmetric or q.group_size != q.shape[1]:
+            raise TopqError(f"{op.loc or 'top.A8MatMul'}: its weight must be quantized per channel to symmetric "
+                            f"int8 by the scheme (got {q})")
+        n, k = q.shape
+        b, attrs = rw.builder, {**op.attrs, "dtype": self.dtype}
+        codes = TensorSource(source, "int8", TensorType((n, k), "i8"))
+        operands = [x, self._int8_weight(b, f"{source}.qweight", codes)]
         act_scale, out_scale = float(op.attrs.get("act_scale", 0.0)), float(op.attrs.get("out_scale", 0.0))
         if not uses_requant(bool(op.attrs.get("dynamic", False)), out_scale):
-            new = rw.builder.create("tpu.MatMulInt8", op.operands, attrs, loc=op.loc)
-            rw.replace(op, new.results)
+            scale = TensorSource(source, "int8_scale", TensorType((n,), self.dtype))
+            operands += [self._int8_weight(b, f"{source}.wscale", scale), *bias]
+            rw.replace(op, [b.op("tpu.MatMulInt8", *operands, **attrs, loc=op.loc)])
             return True
-        # Static requantization: multipliers, shifts and the int32 bias are computed now, from the weights.
-        x, codes, w_scale, *bias = op.operands
-        scale_name, codes_name = weight_source(w_scale), weight_source(codes)
+        # Static requantization: multipliers, shifts and the int32 bias are computed now, from the scales.
         bias_name = weight_source(bias[0]) if bias else None
-        if scale_name is None or codes_name is None or (bias and bias_name is None):
-            raise TopqError(f"{op.loc or 'top.MatMulInt8'}: static int8 requantization needs its codes, w_scale and "
-                            f"bias as weights (the multipliers are computed at compile time)")
-        base = codes_name.removesuffix(".qweight")
-        n = (codes.shape[0],)
-        b = rw.builder
-        parts = [(f"{base}.multiplier", TensorSource(scale_name, "multiplier", TensorType(n, "i32"),
-                                                     (act_scale, out_scale))),
-                 (f"{base}.rshift", TensorSource(scale_name, "rshift", TensorType(n, "i8"), (act_scale, out_scale)))]
+        if bias and bias_name is None:
+            raise TopqError(f"{op.loc or 'top.A8MatMul'}: static int8 requantization needs its bias as a weight "
+                            f"(the int32 bias is computed at compile time)")
+        parts = [(f"{source}.multiplier", TensorSource(source, "multiplier", TensorType((n,), "i32"),
+                                                       (act_scale, out_scale))),
+                 (f"{source}.rshift", TensorSource(source, "rshift", TensorType((n,), "i8"), (act_scale, out_scale)))]
         if bias_name is not None:
-            parts.append((f"{base}.bias_q", TensorSource(bias_name, "bias_q", TensorType(n, "i32"),
-                                                         (act_scale, scale_name))))
-        operands = [x, codes]
-        for name, src in parts:
-            self._record(name, src)
-            operands.append(b.op("tpu.Weight", result_types=[src.type], name=name))
+            parts.append((f"{source}.bias_q", TensorSource(bias_name, "bias_q", TensorType((n,), "i32"),
+                                                           (act_scale, source))))
+        operands += [self._int8_weight(b, name, src) for name, src in parts]
         rw.replace(op, [b.op("tpu.MatMulInt8", *operands, **attrs, loc=op.loc)])
         return True
+
+    def _int8_weight(self, b: Builder, name: str, src: TensorSource) -> Value:
+        self._record(name, src)
+        return b.op("tpu.Weight", result_types=[src.type], name=name)
 
     def _mlp(self, op: Operation, rw: Rewriter) -> bool:
         x, *weights = op.operands

@@ -6,20 +6,30 @@ which are already in the compute dtype. Rounding that product to bf16/f16 again 
 weight (the bm1684x emulator does it), not part of the scheme, so a host bundle shows the numerical effect of a
 scheme without a chip's arithmetic, and agrees with runtimes that dequantize in float32 (ONNX Runtime's
 MatMulNBits).
+
+A linear on int8 activations (`top.A8MatMul`) is lowered to `top.MatMulInt8` on its weight's codes (`<w>.qweight`,
+integers in float32) and per-channel scales (`<w>.wscale`), the scheme's `QuantizedWeight`: the host computes it
+with the exact integer arithmetic a chip uses (`topq.ir.int8.matmul_int8`), not on dequantized weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 import topq
 from topq.core.bundle import Bundle
+from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.target import CompiledModel, CompileJob, Target, runs_everything
+from topq.ir.analysis import users, weight_name
+from topq.ir.graph import Module, Operation
 from topq.ir.interpreter import Interpreter
 from topq.ir.parser import parse_module
 from topq.ir.printer import print_module
-from topq.ir.types import round_to_dtype
+from topq.ir.rewrite import Rewriter, apply_patterns
+from topq.ir.types import TensorType, round_to_dtype
 
 
 def weight_names(module) -> list[str]:  # type: ignore[no-untyped-def]
@@ -31,9 +41,41 @@ def weight_names(module) -> list[str]:  # type: ignore[no-untyped-def]
     return list(names)
 
 
+def lower_int8_linears(module: Module, job: CompileJob) -> dict[str, tuple[str, int | None]]:
+    """`top.A8MatMul(x, w)` → `top.MatMulInt8(x, <w>.qweight, <w>.wscale)`, in place; the weights it orphans are
+    dropped. Returns {tensor: (weight, column)}: the codes (None) or the scale column (0) of `job.quantized(weight)`."""
+    derived: dict[str, tuple[str, int | None]] = {}
+
+    def lower(op: Operation, rw: Rewriter) -> bool:
+        x, w, *bias = op.operands
+        name = weight_name(w)
+        q = job.quant_spec(name) if name is not None else None
+        if name is None or q is None or q.bits != 8 or not q.symmetric or q.group_size != q.shape[1]:
+            raise TopqError(f"{op.loc or 'top.A8MatMul'}: its weight must be quantized per channel to symmetric "
+                            f"int8 by the scheme (got {q})")
+        n, k = q.shape
+        codes = rw.builder.op("top.Weight", result_types=[TensorType((n, k), "f32")], name=f"{name}.qweight")
+        scale = rw.builder.op("top.Weight", result_types=[TensorType((n,), "f32")], name=f"{name}.wscale")
+        rw.replace(op, [rw.builder.op("top.MatMulInt8", x, codes, scale, *bias, loc=op.loc, **op.attrs)])
+        derived[f"{name}.qweight"], derived[f"{name}.wscale"] = (name, None), (name, 0)
+        return True
+
+    apply_patterns(module, {"top.A8MatMul": [lower]})
+    lowered = {name for name, _ in derived.values()}
+    for function in module:
+        read = users(function)
+        function.body.ops = [op for op in function.ops if not (
+            op.name == "top.Weight" and op.attrs["name"] in lowered and not read.get(id(op.results[0])))]
+    return derived
+
+
 def compile_host(job: CompileJob) -> CompiledModel:
-    names = weight_names(job.module)
-    types = {op.attrs["name"]: op.results[0].type for f in job.module for op in f.walk() if op.name == "top.Weight"}
+    module, derived = job.module, {}
+    if any(op.name == "top.A8MatMul" for f in module for op in f.walk()):
+        module = parse_module(print_module(module), source="top program")  # the pipeline keeps its Top module
+        derived = lower_int8_linears(module, job)
+    names = weight_names(module)
+    types = {op.attrs["name"]: op.results[0].type for f in module for op in f.walk() if op.name == "top.Weight"}
 
     assert job.product is not None  # CompileJob fills it in
     compute_dtype = job.product.compute_dtype
@@ -41,15 +83,21 @@ def compile_host(job: CompileJob) -> CompiledModel:
     # under `auto`) is `dequantize()` in float32, as the checkpoint's own arithmetic defines it; float weights take
     # the compute dtype's rounding.
 
-    def produce(wanted):  # type: ignore[no-untyped-def]
+    def produce(wanted: Iterable[str]) -> Iterator[tuple[str, np.ndarray]]:
         for name in wanted:
+            if name in derived:  # a W8A8 linear's codes or scales
+                source, column = derived[name]
+                q = job.quantized(source)
+                assert q is not None
+                yield name, (q.codes if column is None else q.scales[:, column]).astype(np.float32)
+                continue
             quantized = job.quantized(name)
             if quantized is not None:
                 yield name, quantized.dequantize()
             else:
                 yield name, round_to_dtype(job.weights(name), compute_dtype)
 
-    return CompiledModel(program=print_module(job.module), manifest={n: types[n] for n in names}, produce=produce)
+    return CompiledModel(program=print_module(module), manifest={n: types[n] for n in names}, produce=produce)
 
 
 class HostExecutor(Interpreter):

@@ -42,8 +42,8 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
     dtype = job.product.compute_dtype
     if dtype not in FLOAT_DTYPES:
         raise TopqError(f"onnx target: compute dtype {dtype} is not one of {', '.join(FLOAT_DTYPES)}")
-    if any(op.name == "top.MatMulInt8" for f in job.module for op in f.walk()):
-        raise TopqError("onnx target cannot run W8A8 (top.MatMulInt8) linears yet; "
+    if any(op.name == "top.A8MatMul" for f in job.module for op in f.walk()):
+        raise TopqError("onnx target cannot run W8A8 (top.A8MatMul) linears yet; "
                         "use a weight-only scheme (w8/w4, gptq, awq, autoround) or a float one")
     weight_types = {op.attrs["name"]: op.results[0].type for f in job.module for op in f.walk()
                     if op.name == "top.Weight" and isinstance(op.results[0].type, TensorType)}

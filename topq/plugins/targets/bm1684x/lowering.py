@@ -18,7 +18,9 @@ Choices (those of BM1684X's compiler for LLMs):
   kernel configuration); its router and the shared expert's [1, H] gate stay float; the RMSNorm feeding it
   writes f32 so that routing sees the unrounded values;
 * `top.Concat(history, new)` feeding `top.FAttention` disappears: the attention reads the history straight from
-  the layer's KV-cache region and `tpu.KVStore` writes the new rows into it (no copy of the cache per call).
+  the layer's KV-cache region and `tpu.KVStore` writes the new rows into it (no copy of the cache per call);
+* a recurrent layer's carried states stay f32, and the op computing each one is marked with its layer and state
+  index (`bind_states`): it reads and writes the layer's fixed state region in place (memory.py).
 """
 
 from __future__ import annotations

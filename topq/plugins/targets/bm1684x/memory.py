@@ -146,10 +146,11 @@ def plan_memory(module: Module, tensors: dict[str, TensorType], chip: ChipSpec) 
             elif op.name == "tpu.KVStore":
                 op.attrs["addr"] = plan.kv_regions[(int(op.attrs["layer"]), op.attrs["kind"])]
     if plan.total > chip.ddr_size:
+        states = f"states {human(plan.state[1])}, " if plan.state_regions else ""
         raise TopqError(
             f"model does not fit {chip.name} DDR: needs {human(plan.total)} (weights {human(plan.coeff[1])}, "
-            f"KV cache {human(plan.kv[1])}, states {human(plan.state[1])}, activations {human(plan.act[1])}), "
-            f"the chip has {human(chip.ddr_size)}")
+            f"KV cache {human(plan.kv[1])}, {states}activations {human(plan.act[1])}), the chip has "
+            f"{human(chip.ddr_size)}")
     module.attrs.update({"bm.chip": chip.name, "bm.ddr": [plan.total, chip.ddr_size], "bm.coeff": list(plan.coeff),
                          "bm.kv": list(plan.kv), "bm.act": list(plan.act), "bm.kv_rows": rows})
     if plan.state_regions:

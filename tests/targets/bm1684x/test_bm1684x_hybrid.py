@@ -18,9 +18,13 @@ from topq.core.pipeline import convert
 from topq.core.plugins import get_plugins
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
+from topq.ir.builder import Builder
 from topq.ir.graph import Function
 from topq.ir.parser import parse_module
+from topq.ir.types import TensorType
 from topq.plugins.targets.bm1684x import open_bundle
+from topq.plugins.targets.bm1684x.lowering import bind_states
+from topq.plugins.targets.bm1684x.memory import state_bindings
 from topq.plugins.targets.bm1684x.spec import BM1684X
 
 S, L = TINY_STAGES["seq_length"], TINY_STAGES["max_input_length"]
@@ -221,3 +225,27 @@ def test_sessions_hand_states_over_in_place(bundles: Callable[..., Bundle]) -> N
     _, conv, state = emulator.run("block_cache_0", inputs)
     assert np.array_equal(emulator.states[(0, 0)].view, conv) and np.array_equal(emulator.states[(0, 1)].view, state)
     assert not conv.flags.writeable and not state.flags.writeable
+
+
+def conv_block(extra_reader: bool) -> Function:
+    """A decode block whose conv carries its state; optionally a second op reads the old state too."""
+    b = Builder()
+    with b.function("block_cache_0", TensorType((1, 1, 8), "bf16"), TensorType((1, 3, 8), "f32"),
+                    attrs={"layer": 0}) as f:
+        x, state = f.args
+        weight = b.op("tpu.Weight", result_types=[TensorType((8, 1, 4), "bf16")], name="conv")
+        out, new_state = b.op("tpu.CausalConv1d", x, weight, state, dtype="bf16")
+        extra = [b.op("tpu.MulConst", state, const_val=2.0, dtype="f32")] if extra_reader else []
+        f.returns(out, new_state, *extra)
+    return b.module["block_cache_0"]
+
+
+def test_only_a_state_read_by_its_op_alone_is_updated_in_place() -> None:
+    alone, shared = conv_block(False), conv_block(True)
+    for function in (alone, shared):
+        bind_states(function)
+    (conv,) = [op for op in alone.ops if op.name == "tpu.CausalConv1d"]
+    assert (conv.attrs["layer"], conv.attrs["state"]) == (0, 0)
+    assert state_bindings(alone) == ({1: (0, 0)}, {1: (0, 0)})
+    # the old state is also read by the MulConst: writing the new one over it could change what that reads
+    assert all("state" not in op.attrs for op in shared.ops) and state_bindings(shared) == ({}, {})

@@ -376,8 +376,8 @@ def state_args(function: Function) -> set[int]:
 def bind_states(function: Function) -> None:
     """Give a recurrent layer's carried states their fixed DDR regions: the op whose new state is the block's
     result k + 1 gets `layer` and `state = k`; it reads its state operand from region k and writes the new state
-    over it. In place is safe only when nothing else reads the old state, so a state argument must have that op as
-    its one reader (the stage template's blocks do)."""
+    over it. In place is safe only when that op is the old state's one reader (as in the stage template's blocks);
+    a state read by other ops too stays a plain argument and result, planned in the activation region."""
     layer = function.attrs.get("layer")
     if layer is None:
         return
@@ -386,25 +386,13 @@ def bind_states(function: Function) -> None:
     for op in function.ops:
         for v in op.operands:
             readers.setdefault(id(v), []).append(op)
-    bound: dict[int, Operation] = {}
     for op in function.ops:
-        if op.name not in STATE_OPS:
+        index = result_index.get(id(op.results[1])) if op.name in STATE_OPS else None
+        if not index:  # not a recurrent op, or its new state is not carried (result 0 is the hidden state)
             continue
-        index = result_index.get(id(op.results[1]))
         old = state_operand(op)
-        if index is None or index == 0:
-            if old is not None and isinstance(old.owner, Block):
-                raise TopqError(f"@{function.name}: {op.loc or op.name} reads a carried state but its new state is "
-                                f"not a result of the block, so the state region cannot be updated in place")
-            continue
-        if index in bound:
-            raise TopqError(f"@{function.name}: result {index} is the new state of both "
-                            f"{bound[index].loc or bound[index].name} and {op.loc or op.name}")
         if old is not None and isinstance(old.owner, Block) and readers.get(id(old)) != [op]:
-            others = [o.loc or o.name for o in readers.get(id(old), []) if o is not op]
-            raise TopqError(f"@{function.name}: the carried state {op.loc or op.name} updates in place is also read "
-                            f"by {', '.join(others)}; an in-place state region needs one reader")
-        bound[index] = op
+            continue
         op.attrs.update(layer=int(layer), state=index - 1)
 
 

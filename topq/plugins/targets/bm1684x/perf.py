@@ -670,11 +670,7 @@ def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, c
         "bytes_per_token": full["bytes"],
         "weight_bytes_per_token": weights,
         "kv_cache_bytes": kv_bytes(prog.spec, st.seq_length, mode.act_bytes, layers=kv_layers),
-        # the KV a decode step at full context reads: seq_length + 1 positions, a sliding layer's window at most
-        "kv_bytes_per_token": sum(kv_bytes(prog.spec, min(st.seq_length + 1, window or st.seq_length + 1),
-                                           mode.act_bytes, cal.kv_per_query_head, layers=1)
-                                  for i in prog.layers() if not family.states_of(prog.spec, i)
-                                  for window in [stage_window(prog.spec, i, st.seq_length)]),
+        "kv_bytes_per_token": _kv_read_bytes(prog, family, mode.act_bytes, cal.kv_per_query_head),
         # recurrent layers: their f32 states, read and written once per decode step
         "state_bytes": state_bytes,
         "state_bytes_per_token": 2 * state_bytes,
@@ -693,6 +689,15 @@ def kv_bytes(spec: ModelSpec, history: int, act_bytes: int = 2, per_query_head: 
     cache size, or what attention reads when it streams K/V once per query head."""
     heads = spec.num_heads if per_query_head else spec.num_kv_heads
     return 2 * (spec.num_layers if layers is None else layers) * history * heads * spec.head_dim * act_bytes
+
+
+def _kv_read_bytes(prog: _Program, family: ModelFamily, act_bytes: int, per_query_head: bool) -> int:
+    """The K/V a decode step at full context reads: seq_length + 1 positions in each attention layer, at most
+    its window in a sliding one."""
+    spec, positions = prog.spec, prog.stages.seq_length + 1
+    windows = [stage_window(spec, i, prog.stages.seq_length) for i in prog.layers() if not family.states_of(spec, i)]
+    return sum(kv_bytes(spec, min(positions, w) if w else positions, act_bytes, per_query_head, layers=1)
+               for w in windows)
 
 
 def _weight_bytes(spec: ModelSpec, mode: QuantMode, head: QuantMode) -> float:

@@ -13,13 +13,18 @@ from host_bundles import TINY_STAGES, TinyCheckpoint
 from tiny_models import HYBRID_KINDS, prompt
 
 from topq.core.bundle import Bundle
+from topq.core.inspect import describe
 from topq.core.pipeline import convert
 from topq.core.plugins import get_plugins
 from topq.core.recipe import recipe_from_defaults
 from topq.core.runtime import Session
+from topq.ir.builder import Builder
 from topq.ir.graph import Function
 from topq.ir.parser import parse_module
+from topq.ir.types import TensorType
 from topq.plugins.targets.bm1684x import open_bundle
+from topq.plugins.targets.bm1684x.lowering import bind_states
+from topq.plugins.targets.bm1684x.memory import state_bindings
 from topq.plugins.targets.bm1684x.spec import BM1684X
 
 S, L = TINY_STAGES["seq_length"], TINY_STAGES["max_input_length"]
@@ -138,3 +143,109 @@ def test_w4bf16_runs_on_the_chip(bundles: Callable[..., Bundle], kind: str) -> N
     cos = function_cosines(bm, bundles(kind, "host", "w4bf16"))
     worst = min(cos, key=cos.get)  # type: ignore[arg-type]
     assert cos[worst] >= 0.999, (worst, cos[worst])
+
+
+# ------------------------------------------------------------------------------------------ state regions
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_recurrent_layer_has_fixed_state_regions_updated_in_place(bundles: Callable[..., Bundle],
+                                                                       kind: str) -> None:
+    bm = bundles(kind, "bm1684x", "bf16")
+    memory, carried = bm.meta["target_meta"]["memory"], bm.meta["stages"]["layer_states"]
+    recurrent = [i for i, states in enumerate(carried) if states]
+    assert recurrent == [0]  # the tiny hybrids: layer 0 linear attention, layer 1 full attention
+    layers = {entry["layer"]: entry for entry in memory["state_layers"]}
+    assert sorted(layers) == recurrent
+    base, size = memory["state"]
+    assert memory["kv"][0] + memory["kv"][1] <= base and base + size <= memory["act"][0]
+    regions: dict[tuple[int, int], int] = {}
+    for layer in recurrent:
+        shapes = [shape for _, shape in carried[layer]]  # conv [1, 3, 96] and recurrent [1, 4, 16, 8], f32
+        assert layers[layer]["bytes"] == sum(4 * int(np.prod(s)) for s in shapes) == (3 * 96 + 4 * 16 * 8) * 4
+        states = layers[layer]["states"]
+        assert [st["shape"] for st in states] == shapes and {st["dtype"] for st in states} == {"f32"}
+        for k, st in enumerate(states):
+            assert base <= st["addr"] and st["addr"] + 4 * int(np.prod(st["shape"])) <= base + size
+            assert st["addr"] % BM1684X.global_align == 0
+            regions[(layer, k)] = st["addr"]
+    module = parse_module(bm.program)
+    act = memory["act"]
+    for name, has_state_in in (("block_0", False), ("block_kv_0", True), ("block_cache_0", True)):
+        function = module[name]
+        ops = {(op.attrs["layer"], op.attrs["state"]): op for op in function.ops if op.attrs.get("state") is not None}
+        assert sorted(ops) == sorted(regions), name  # every carried state is written by its op into its region
+        for key, op in ops.items():
+            assert op.attrs["addrs"][1] == regions[key], (name, key)  # the new state, written over the old
+            if has_state_in:  # the old state: the function's argument is the region itself
+                old = next(v for v in op.operands if v.type == op.results[1].type)
+                assert function.attrs["arg_addrs"][old.index] == regions[key], (name, key)
+        # no carried state, input or output, passes through the activation region
+        in_act = [a for a in function.attrs["arg_addrs"] if act[0] <= a < act[0] + act[1]]
+        state_args = [function.attrs["arg_addrs"][a.index] for a in function.args
+                      if any(a.type == op.results[1].type for op in ops.values())]
+        assert not set(state_args) & set(in_act) and len(state_args) == (2 if has_state_in else 0), name
+    text = describe(bm)["text_sections"][0]
+    assert "  state " in text and "conv 1x3x96" in text and "recurrent 1x4x16x8" in text, text
+
+
+def test_sessions_hand_states_over_in_place(bundles: Callable[..., Bundle]) -> None:
+    """A 40-token prompt (prefill + two prefill_kv segments), decode steps, a chat turn and a truncation to the
+    first turn's saved states: the emulator copies a caller's state into DDR only when the caller passes states it
+    was not handed (the restored ones), and the result equals copying every state on every call, bit for bit,
+    and follows the host."""
+    kind = KINDS[0]
+    bm, host = bundles(kind, "bm1684x", "bf16"), bundles(kind, "host", "bf16")
+
+    def conversation(session: Session) -> list[np.ndarray]:
+        rows = [session.feed(prompt(40, seed=3))]
+        for token in (5, 17, 29):
+            rows.append(session.decode(token))
+        rows.append(session.feed([40, 41, 42, 43, 44]))  # a chat turn: one prefill_kv segment
+        session.truncate(42)  # back to the first turn's saved states, then feed tokens 40, 41 of the history again
+        rows.append(session.feed([7, 8, 9]))
+        rows.append(session.decode(11))
+        return rows
+
+    emulator = open_bundle(bm, BM1684X, checker=True)
+    got = conversation(Session(bm, emulator))
+    # the only copies: the two states of the truncation's restored (saved) arrays
+    assert {key: region.copied for key, region in emulator.states.items()} == {(0, 0): 1, (0, 1): 1}
+    every_call = open_bundle(bm, BM1684X, kv_sync="copy")
+    copied = conversation(Session(bm, every_call))
+    assert all(np.array_equal(a, b) for a, b in zip(got, copied))
+    # every call that takes states: the prompt's 2 block_kv, 3 decodes, the chat turn, the truncation's re-feed,
+    # the last turn and its decode
+    assert every_call.states[(0, 0)].copied == 2 + 3 + 1 + 1 + 1 + 1
+    want = conversation(Session(host))
+    assert min(cosine(a, b) for a, b in zip(got, want)) >= 0.999
+    # what a call hands back is what the region holds, read-only (a caller cannot change the chip's state)
+    inputs = [np.zeros((1, 1, 64), np.float32), np.array([[3]], np.int32), np.ones((1, 3, 96), np.float32),
+              np.ones((1, 4, 16, 8), np.float32)]
+    _, conv, state = emulator.run("block_cache_0", inputs)
+    assert np.array_equal(emulator.states[(0, 0)].view, conv) and np.array_equal(emulator.states[(0, 1)].view, state)
+    assert not conv.flags.writeable and not state.flags.writeable
+
+
+def conv_block(extra_reader: bool) -> Function:
+    """A decode block whose conv carries its state; optionally a second op reads the old state too."""
+    b = Builder()
+    with b.function("block_cache_0", TensorType((1, 1, 8), "bf16"), TensorType((1, 3, 8), "f32"),
+                    attrs={"layer": 0}) as f:
+        x, state = f.args
+        weight = b.op("tpu.Weight", result_types=[TensorType((8, 1, 4), "bf16")], name="conv")
+        out, new_state = b.op("tpu.CausalConv1d", x, weight, state, dtype="bf16")
+        extra = [b.op("tpu.MulConst", state, const_val=2.0, dtype="f32")] if extra_reader else []
+        f.returns(out, new_state, *extra)
+    return b.module["block_cache_0"]
+
+
+def test_only_a_state_read_by_its_op_alone_is_updated_in_place() -> None:
+    alone, shared = conv_block(False), conv_block(True)
+    for function in (alone, shared):
+        bind_states(function)
+    (conv,) = [op for op in alone.ops if op.name == "tpu.CausalConv1d"]
+    assert (conv.attrs["layer"], conv.attrs["state"]) == (0, 0)
+    assert state_bindings(alone) == ({1: (0, 0)}, {1: (0, 0)})
+    # the old state is also read by the MulConst: writing the new one over it could change what that reads
+    assert all("state" not in op.attrs for op in shared.ops) and state_bindings(shared) == ({}, {})

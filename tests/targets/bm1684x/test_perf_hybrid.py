@@ -12,7 +12,11 @@ import pytest
 from data_paths import CONFIGS
 
 from topq.core import cli
+from topq.core.family import find_family
 from topq.core.plugins import get_plugins
+from topq.core.stages import StageConfig, build_program
+from topq.plugins.targets.bm1684x.perf import estimate_function
+from topq.plugins.targets.bm1684x.spec import BM1684X
 
 #: Qwen3.5-2B's text model (tests/data/configs/qwen3.5-2b.json, from the published config): 18 Gated DeltaNet and
 #: 6 attention layers
@@ -71,3 +75,20 @@ def test_paper_table_with_the_shared_constants(model: str) -> None:
     r = predict(json.loads((CONFIGS / f"{model}.json").read_text()), max_input_length=512)
     assert 0.55 <= r["ddr_utilization"] <= 0.66
     assert 0.6 <= r["decode_tps"] / PAPER[model] <= 0.8
+
+
+def test_each_state_is_read_and_written_once_per_decode_step() -> None:
+    """The recurrent ops' rows of one Qwen3.5-2B decode step: the f32 conv window [1, 3, 6144] and recurrent state
+    [1, 16, 128, 128] read from their DDR regions and written back over them; prefill only writes them."""
+    spec = find_family(get_plugins().families, HYBRID).normalize(HYBRID)
+    module = build_program(spec, find_family(get_plugins().families, HYBRID), StageConfig(2048, 512, decode_chunks=()),
+                           shapes=None)
+    conv, recurrent = 3 * 6144 * 4, 16 * 128 * 128 * 4
+
+    def rows(name: str) -> dict[str, Any]:
+        return {r.name: r for r in estimate_function(module[name], BM1684X, "w4bf16").rows}
+
+    decode = rows("block_cache_0")
+    assert decode["GatedDeltaRule"].bytes == 2 * recurrent
+    assert decode["CausalConv1d"].bytes == 2 * conv + 6144 * 4 * 2  # and its bf16 [6144, 1, 4] weight
+    assert rows("block_0")["ChunkGatedDeltaRule"].bytes == recurrent

@@ -60,9 +60,12 @@ def report(bundle: Bundle, chip: ChipSpec) -> dict[str, Any]:
     groups = meta.get("layer_groups", {})
     tiled = {f"{fn}:{op}": t for fn, r in groups.items() for op, t in r.get("tiled", {}).items()}
     lines = [f"{chip.name} DDR plan ({meta.get('mode')}): {human(memory.get('total', 0))} of {human(chip.ddr_size)}"]
-    for region in ("coeff", "kv", "act"):
-        base, size = memory.get(region, [0, 0])
-        lines.append(f"  {region:<6} 0x{base:010x}  {human(size)}")
+    for region in ("coeff", "kv", "state", "act"):
+        if region in memory:
+            base, size = memory[region]
+            lines.append(f"  {region:<6} 0x{base:010x}  {human(size)}")
+        if region == "state":
+            lines += _state_lines(memory, (bundle.meta.get("stages") or {}).get("layer_states") or [])
     lines.append(f"layer groups: {sum(r['groups'] for r in groups.values())} in {len(groups)} functions; "
                  f"peak local memory {max((r['peak_lmem_per_lane'] for r in groups.values()), default=0)} B/lane "
                  f"of {chip.local_mem_per_lane}; {len(tiled)} tiled ops")
@@ -80,6 +83,17 @@ def report(bundle: Bundle, chip: ChipSpec) -> dict[str, Any]:
         f"decode {predicted['decode_tps']:.1f} tokens/s, {predicted['bytes_per_token'] / 1e6:.1f} MB/token\n\n"
         + "\n\n".join(e.table() for e in estimates))
     return out
+
+
+def _state_lines(memory: dict[str, Any], carried: list[list[Any]]) -> list[str]:
+    """One line per recurrent layer: its fixed f32 state regions, by the names the bundle's stages give them."""
+    lines = []
+    for entry in memory.get("state_layers", []):
+        names = [name for name, _ in carried[entry["layer"]]] if entry["layer"] < len(carried) else []
+        states = ", ".join(f"{names[i] if i < len(names) else i} {'x'.join(map(str, st['shape']))} "
+                           f"@0x{st['addr']:x}" for i, st in enumerate(entry["states"]))
+        lines.append(f"    layer {entry['layer']:<3} {human(entry['bytes'])}: {states}")
+    return lines
 
 
 def _perf(chip: ChipSpec) -> Callable[..., dict[str, Any]]:

@@ -27,6 +27,9 @@ Ops with a different shape from their Top counterpart:
   followed by the new k; the history operands are the layer's KV-cache region itself (no concat copy).
 * `tpu.KVStore(x, positions)`: writes the new k or v rows into the layer's KV-cache region at row positions[0, 0]
   (rows past the region's `rows` are dropped). No result: it is a side effect on the persistent cache.
+* `tpu.CausalConv1d`, `tpu.GatedDeltaRule`, `tpu.ChunkGatedDeltaRule` with `layer` and `state = k`: result 1 is
+  the layer's carried state k, written in place over the layer's fixed f32 state region k, which is also where the
+  op's state operand (an argument of prefill_kv / decode) is read from.
 """
 
 from __future__ import annotations
@@ -260,13 +263,17 @@ def _with_f32_state(infer: InferFn) -> InferFn:
     return typed
 
 
+#: a recurrent op whose new state (result 1) is a carried state: its layer's state region and slot (lowering.py
+#: `bind_states`); the op then reads its state operand from that region and writes the new state over it
+STATE_REGION = {"layer": A("int", None), "state": A("int", None)}
 _tpu("CausalConv1d", (2, 4), _with_f32_state(top._causal_conv1d),
-     {"with_state": A("bool", True), "act": A("str", "silu", ("silu", "none"))},
+     {"with_state": A("bool", True), "act": A("str", "silu", ("silu", "none")), **STATE_REGION},
      results=2, doc="depthwise causal conv in f32 over the f32 state window and dtype inputs; state out f32")
-_tpu("GatedDeltaRule", (5, 6), _with_f32_state(top._gated_delta_rule), dict(top._GDR_ATTRS), results=2,
-     doc="recurrent gated delta rule: dtype q/k/v/g/beta, f32 state read and written, f32 arithmetic")
+_tpu("GatedDeltaRule", (5, 6), _with_f32_state(top._gated_delta_rule), {**top._GDR_ATTRS, **STATE_REGION},
+     results=2, doc="recurrent gated delta rule: dtype q/k/v/g/beta, f32 state read and written, f32 arithmetic")
 _tpu("ChunkGatedDeltaRule", (5, 6), _with_f32_state(top._gated_delta_rule),
-     {**top._GDR_ATTRS, "chunk_size": A("int", 64)}, results=2, doc="chunked form of tpu.GatedDeltaRule")
+     {**top._GDR_ATTRS, "chunk_size": A("int", 64), **STATE_REGION}, results=2,
+     doc="chunked form of tpu.GatedDeltaRule")
 _tpu("KVStore", 2, _kvstore, {"layer": A("int"), "kind": A("str", choices=("k", "v")), "rows": A("int")}, results=0)
 
 

@@ -22,6 +22,13 @@ rewrite history rows it has already passed without the emulator writing them fir
 checker mode verifies the mirror on every call, and `kv_sync="copy"` (or TOPQ_BM_KV_SYNC=copy) copies every
 visible row every time.
 
+Recurrent states: each recurrent layer's f32 states live in their fixed DDR regions; the ops that carry them read
+the old state there and write the new one over it. A call hands the caller each new state as a read-only copy and
+remembers it; when the next call passes back that very array, the region already holds it and nothing is copied
+(a Session passes back what it was handed). Any other array (the zero states of a new conversation, states saved
+for a truncation, a test's random ones) is copied into the region first; checker mode verifies the region against
+the caller's array on every call.
+
 Checker mode (`checker=True`, recipe `target.checker: true`, or TOPQ_CHECKER=1) tracks which tensor owns each
 DDR granule: it fails naming both tensors when a write lands on a live tensor or a read finds its bytes owned by
 another one, poisons every freed region with 0xFF (NaN in every float dtype) and fails on a read of a freed
@@ -52,7 +59,7 @@ from topq.plugins.targets.bm1684x import (
 from topq.plugins.targets.bm1684x.dialect import moe_parts
 from topq.plugins.targets.bm1684x.kernels import KERNELS, rnd, visible_history
 from topq.plugins.targets.bm1684x.layer_group import VIEW_OPS, is_weight, root
-from topq.plugins.targets.bm1684x.memory import value_name
+from topq.plugins.targets.bm1684x.memory import state_bindings, value_name
 from topq.plugins.targets.bm1684x.modes import FLOAT_DTYPES
 from topq.plugins.targets.bm1684x.packing import dequantize
 from topq.plugins.targets.bm1684x.spec import ChipSpec
@@ -165,6 +172,8 @@ class FunctionPlan:
     output_refs: list[DdrRef | None]
     frees_after_inputs: list[DdrRef] = field(default_factory=list)
     attention_attrs: list[dict[str, Any]] = field(default_factory=list)  # get this call's visible history rows
+    states_in: list[tuple[int, tuple[int, int]]] = field(default_factory=list)  # (arg index, state region key)
+    states_out: list[tuple[int, tuple[int, int]]] = field(default_factory=list)  # (result index, state region key)
 
 
 @dataclass
@@ -176,6 +185,17 @@ class KVMirror:
     pointer: int = 0
     trusted: int = 0  # leading rows known equal to the caller's
     copied: int = 0  # rows copied from callers so far (observability: O(new tokens) per call)
+
+
+@dataclass
+class StateRegion:
+    """A recurrent layer's carried state in its fixed DDR region."""
+
+    view: np.ndarray  # the f32 state, inside DDR
+    tid: int
+    addr: int
+    handed: Any = None  # weakref to the read-only array the last call returned (what the region holds)
+    copied: int = 0  # caller arrays copied in so far (observability: a Session's calls copy none)
 
 
 class Emulator:
@@ -201,6 +221,7 @@ class Emulator:
         self._plans: dict[str, FunctionPlan] = {}
         self._weight_ids: dict[str, int] = {}
         self.kv: dict[tuple[int, str], KVMirror] = {}
+        self.states: dict[tuple[int, int], StateRegion] = {}  # (layer, state index) → its region
         self._load(tensor)
 
     # -- loading -----------------------------------------------------------------------------------
@@ -227,6 +248,15 @@ class Emulator:
                         addr = int(op.attrs["addr"])
                         tid = self.checker.register(f"KV cache layer {key[0]} {key[1]}") if self.checker else -1
                         self.kv[key] = KVMirror(self.view(addr, t), tid, addr)
+                        if self.checker:
+                            self.checker.claim(tid, addr, t.nbytes, "load")
+                elif op.attrs.get("state") is not None:
+                    key = (int(op.attrs["layer"]), int(op.attrs["state"]))
+                    if key not in self.states:
+                        t, addr = op.results[1].type, int(op.attrs["addrs"][1])
+                        assert isinstance(t, TensorType)
+                        tid = self.checker.register(f"state {key[1]} of layer {key[0]}") if self.checker else -1
+                        self.states[key] = StateRegion(self.view(addr, t), tid, addr)
                         if self.checker:
                             self.checker.claim(tid, addr, t.nbytes, "load")
         for name, (addr, t) in loaded.items():
@@ -299,6 +329,8 @@ class Emulator:
                 self._sync(layer, kind, arrays[index], visible, name)
             for attrs in plan.attention_attrs:
                 attrs["visible"] = visible
+        for index, key in plan.states_in:
+            self._sync_state(key, arrays[index], name)
         if checker:
             self._run_checked(plan, name)
         else:
@@ -310,7 +342,22 @@ class Emulator:
             for i, ref in enumerate(plan.output_refs):
                 if ref is not None:
                     checker.read(ref.tid, ref.addr, ref.nbytes, f"@{name} output {i}")
-        return [r() for r in plan.outputs]
+        outputs = [r() for r in plan.outputs]
+        for index, key in plan.states_out:  # the region now holds this state: a caller passing it back copies nothing
+            outputs[index].setflags(write=False)
+            self.states[key].handed = weakref.ref(outputs[index])
+        return outputs
+
+    def _sync_state(self, key: tuple[int, int], array: np.ndarray, name: str) -> None:
+        region = self.states[key]
+        handed = region.handed() if region.handed is not None else None
+        if handed is not array or self.kv_sync == "copy":
+            region.view[...] = array
+            region.copied += 1
+            region.handed = None
+        elif self.checker is not None and not np.array_equal(region.view, array):
+            raise TopqError(f"checker: @{name}: state {key[1]} of layer {key[0]} in DDR differs from the array the "
+                            f"caller passed back; the caller changed a state it was handed")
 
     def _run_checked(self, plan: FunctionPlan, name: str) -> None:
         checker = self.checker
@@ -394,6 +441,7 @@ class _Planner:
         self.addr: dict[int, int] = {}  # root value id → DDR address
         self.tids: dict[int, int] = {}  # root value id → checker id
         self.kv_args: dict[int, tuple[int, str]] = {}
+        self.state_args, self.state_results = state_bindings(function)
         self.raw: raw.RawSteps | None = None
 
     # values ----------------------------------------------------------------------------------------
@@ -411,10 +459,23 @@ class _Planner:
         if isinstance(r.owner, Block) and r.index in self.kv_args:
             mirror = self.emu.kv[self.kv_args[r.index]]
             return DdrRef(mirror.tid, mirror.addr, value.type.nbytes)  # type: ignore[union-attr]
+        key = self._state_key(r)
+        if key is not None:
+            region = self.emu.states[key]
+            return DdrRef(region.tid, region.addr, value.type.nbytes)  # type: ignore[union-attr]
         addr = self._own_addr(value)
         if addr is None:
             return None
         return DdrRef(self._tid(r), addr, value.type.nbytes)  # type: ignore[union-attr]
+
+    def _state_key(self, value: Value) -> tuple[int, int] | None:
+        """The state region a root value is (a state argument, or the new state a marked op writes), else None."""
+        owner = value.owner
+        if isinstance(owner, Block):
+            return self.state_args.get(value.index)
+        if isinstance(owner, Operation) and value.index == 1 and owner.attrs.get("state") is not None:
+            return int(owner.attrs["layer"]), int(owner.attrs["state"])
+        return None
 
     def _own_addr(self, value: Value) -> int | None:
         """A value's planned address from its own op's attributes (a view carries its root's address)."""
@@ -488,7 +549,7 @@ class _Planner:
         arg_writers: list[Writer | None] = []
         arg_refs: list[DdrRef | None] = []
         for a in f.args:
-            if a.index in self.kv_args:
+            if a.index in self.kv_args or a.index in self.state_args:  # bound to their regions: synced in run()
                 arg_writers.append(None)
                 arg_refs.append(None)
                 continue
@@ -519,14 +580,15 @@ class _Planner:
         attention = [s.attrs for s in steps if s.op.name == "tpu.FAttention" and s.attrs.get("history")
                      and s.attrs.get("has_mask") and mask_arg is not None and s.op.operands[3] is f.args[mask_arg]]
         return FunctionPlan(f, args, arg_writers, arg_refs, history, mask_arg, steps, outputs, output_refs,
-                            frees_first, attention)
+                            frees_first, attention, sorted(self.state_args.items()),
+                            sorted(self.state_results.items()))
 
     def _last_uses(self, ops: list[Operation]) -> dict[Value, int]:
         """Step index after which each DDR root (not a result, not the KV cache) is dead (-1: unused argument)."""
         last: dict[int, int] = {}
         values: dict[int, Value] = {}
         for a in self.f.args:
-            if a.index not in self.kv_args:
+            if a.index not in self.kv_args and a.index not in self.state_args:  # regions are never freed
                 last[id(a)], values[id(a)] = -1, a
         for i, op in enumerate(ops):
             for r in op.results:
@@ -639,6 +701,12 @@ class _Planner:
             for r in op.results:
                 addr = self._own_addr(r)
                 if addr is None:
+                    continue
+                key = self._state_key(r)
+                if key is not None:
+                    if addr != self.emu.states[key].addr:
+                        raise TopqError(f"checker: @{self.f.name}: {value_name(r)} at 0x{addr:x} is not its state "
+                                        f"region at 0x{self.emu.states[key].addr:x}")
                     continue
                 if addr % a:
                     raise TopqError(f"checker: @{self.f.name}: {value_name(r)} at 0x{addr:x} is not aligned to {a}")

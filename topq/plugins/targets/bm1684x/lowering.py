@@ -20,7 +20,9 @@ Choices (those of BM1684X's compiler for LLMs):
   kernel configuration); its router and the shared expert's [1, H] gate stay float; the RMSNorm feeding it
   writes f32 so that routing sees the unrounded values;
 * `top.Concat(history, new)` feeding `top.FAttention` disappears: the attention reads the history straight from
-  the layer's KV-cache region and `tpu.KVStore` writes the new rows into it (no copy of the cache per call).
+  the layer's KV-cache region and `tpu.KVStore` writes the new rows into it (no copy of the cache per call);
+* a recurrent layer's carried states stay f32, and the op computing each one is marked with its layer and state
+  index (`bind_states`): it reads and writes the layer's fixed state region in place (memory.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ SAME_SHAPE = ("Gather", "RMSNorm", "LayerNorm", "Add", "Mul", "MulConst", "SiLU"
               "Sigmoid", "Softplus", "Exp", "CausalConv1d", "GatedDeltaRule", "ChunkGatedDeltaRule")
 #: ops that carry a recurrent layer's state: (Top op, operand index of the state it reads); the state stays f32
 STATE_OPERANDS = {"top.CausalConv1d": 2, "top.GatedDeltaRule": 5, "top.ChunkGatedDeltaRule": 5}
+#: their tpu ops, which update the layer's state regions in place (`bind_states`)
+STATE_OPS = frozenset("tpu." + name.split(".", 1)[1] for name in STATE_OPERANDS)
 NO_DTYPE = frozenset({"Reshape", "Permute", "Slice", "Concat"})
 SUFFIX = {"weight": ".packed", "scale": ".scale", "zp": ".zp"}
 
@@ -120,6 +124,7 @@ class Lowering:
                     raise TopqError(f"bm1684x has no lowering for {op.name} (in @{function.name})")
             eliminate_dead_ops(function)
             insert_kv_stores(function, int(module.attrs.get("topq.seq_length", 0)), self.dtype)
+            bind_states(function)
             raw.lower_raw_regions(function)  # after dead-op elimination: staging ops have no results
 
     def table(self) -> dict[str, list[Pattern]]:
@@ -365,12 +370,43 @@ class Lowering:
         return True
 
 
+def state_operand(op: Operation) -> Value | None:
+    """The carried state a recurrent op (Top or tpu) reads; None for other ops and a conv without a state."""
+    index = STATE_OPERANDS.get("top." + op.name.split(".", 1)[-1])
+    if index is None or len(op.operands) <= index:
+        return None
+    if op.name.endswith("CausalConv1d") and not op.attrs.get("with_state", True):
+        return None  # (x, weight, valid): operand 2 is the valid mask
+    return op.operands[index]
+
+
 def state_args(function: Function) -> set[int]:
     """ids of the function's arguments that are a recurrent layer's carried states (read as a state operand)."""
     args = {id(a) for a in function.args}
-    return {id(op.operands[i]) for op in function.walk() for name, i in STATE_OPERANDS.items()
-            if op.name == name and len(op.operands) > i and id(op.operands[i]) in args
-            and (name != "top.CausalConv1d" or op.attrs.get("with_state", True))}
+    return {id(v) for op in function.walk() for v in [state_operand(op)] if v is not None and id(v) in args}
+
+
+def bind_states(function: Function) -> None:
+    """Give a recurrent layer's carried states their fixed DDR regions: the op whose new state is the block's
+    result k + 1 gets `layer` and `state = k`; it reads its state operand from region k and writes the new state
+    over it. In place is safe only when that op is the old state's one reader (as in the stage template's blocks);
+    a state read by other ops too stays a plain argument and result, planned in the activation region."""
+    layer = function.attrs.get("layer")
+    if layer is None:
+        return
+    result_index = {id(v): i for i, v in enumerate(function.results)}
+    readers: dict[int, list[Operation]] = {}
+    for op in function.ops:
+        for v in op.operands:
+            readers.setdefault(id(v), []).append(op)
+    for op in function.ops:
+        index = result_index.get(id(op.results[1])) if op.name in STATE_OPS else None
+        if not index:  # not a recurrent op, or its new state is not carried (result 0 is the hidden state)
+            continue
+        old = state_operand(op)
+        if old is not None and isinstance(old.owner, Block) and readers.get(id(old)) != [op]:
+            continue
+        op.attrs.update(layer=int(layer), state=index - 1)
 
 
 def eliminate_dead_ops(function: Function) -> None:

@@ -9,7 +9,8 @@ The model (docs/perf.md has the derivation and the calibration):
 * **DMA** of an op = bytes it moves between DDR and local memory / (ddr_bandwidth × achievable fraction):
   weights in their stored size (W4 = 0.5 B + scale/zero per group, W8 = 1 B, BF16 = 2 B), activations
   a group reads from or writes to DDR, the KV history attention reads (once per query head by default:
-  `Calibration.kv_per_query_head`). Each transfer is rounded up to the DMA burst (`spec.dma_align`).
+  `Calibration.kv_per_query_head`; a sliding layer's window at most, whose keys also bound its attention work:
+  `attended_keys`). Each transfer is rounded up to the DMA burst (`spec.dma_align`).
 * **Layer groups** (approximation of the compiler's): every matmul / MLP / attention is its own group
   with its weights streamed; elementwise, norm and RoPE ops fuse into the next such group (trailing
   ones into the previous). Views (reshape, the in-place history concat) cost nothing. A group takes
@@ -33,7 +34,7 @@ from typing import Any
 
 from topq.core.errors import TopqError
 from topq.core.family import ModelFamily, ModelSpec, find_family
-from topq.core.stages import StageConfig, build_program
+from topq.core.stages import StageConfig, build_program, stage_window
 from topq.ir.graph import Function, Module, Operation, Value
 from topq.plugins.targets.bm1684x.raw import element_ops
 from topq.plugins.targets.bm1684x.spec import SPECS, ChipSpec
@@ -377,22 +378,21 @@ class _Estimator:
     def _cost_FAttention(self, op: Operation) -> _Cost:
         q, k, v, *mask = op.operands
         _, lq, hq, d = q.shape
-        lk = k.shape[1]
-        history = lk - lq
-        # causal, bottom-right aligned: query i sees history + i + 1 keys; a masked decode still computes all
-        keys = lq * history + lq * (lq + 1) / 2 if not mask else lq * lk
-        scores = hq * keys
+        lk, kv_heads = k.shape[1], k.shape[2]
+        window = int(op.attrs.get("window") or 0)
+        scores = hq * attended_keys(lq, lk, bool(mask), window)
         flops = 4.0 * scores * d  # QKᵀ and PV
         cube = self.cube_s(flops, "bf16" if self.mode.compute == "int8" else self.mode.compute, self.cal.attn_eff)
-        # a sliding window changes no work here: the kernel computes the causal scores and masks the rest
         vector = self.vector_s(scores * (SCORE_OPS + (SOFTCAP_OPS if op.attrs.get("softcap") else 0)), 4)
         # K/V are re-read once per pass over the queries that fit half of local memory, and (without GQA
-        # batching) once per query head of a KV head
+        # batching) once per query head of a KV head; a pass of a sliding layer reads only the keys its queries'
+        # windows cover (at most `window` keys for a decode token)
         q_bytes = self.numel(q) * self.mode.act_bytes / self.cores
-        passes = max(1, math.ceil(q_bytes / (self.chip.local_mem / 2)))
-        if self.cal.kv_per_query_head:
-            passes *= max(1, hq // k.shape[2])
-        nbytes = self.act(q) + passes * (self.act(k) + self.act(v)) + self.act(op.results[0])
+        query_passes = max(1, math.ceil(q_bytes / (self.chip.local_mem / 2)))
+        kv_rows = min(lk, math.ceil(lq / query_passes) + window - 1) if window else lk
+        passes = query_passes * (max(1, hq // kv_heads) if self.cal.kv_per_query_head else 1)
+        kv_read = 2 * self.transfer(kv_rows * kv_heads * d * self.mode.act_bytes)  # K and V
+        nbytes = self.act(q) + passes * kv_read + self.act(op.results[0])
         nbytes += sum(self.act(m, split=False) for m in mask)
         return _Cost(flops, cube, vector, nbytes)
 
@@ -458,6 +458,20 @@ class _Estimator:
         if id(out) in self.results:
             nbytes += self.act(out)  # and written back (the embedding)
         return _Cost(bytes_per_core=nbytes)
+
+
+def attended_keys(queries: int, keys: int, masked: bool, window: int = 0) -> float:
+    """Query-key pairs an attention call computes, summed over its queries. Causal and bottom-right aligned, query
+    i sees history + i + 1 keys (history = keys - queries); a masked call (a history stage) computes every key,
+    since which are visible is known only at run time; a sliding window of `window` keys bounds each query (the
+    kernel starts at the query's window, known from its position)."""
+    if masked:
+        return float(queries * (min(keys, window) if window else keys))
+    first = keys - queries + 1  # keys the first query sees
+    if not window:
+        return queries * (first - 1) + queries * (queries + 1) / 2
+    below = max(0, min(queries, window - first))  # queries whose causal keys are fewer than the window
+    return below * first + below * (below - 1) / 2 + (queries - below) * window
 
 
 def _kind(op: Operation) -> str:
@@ -656,8 +670,7 @@ def _summary(prog: _Program, chip: ChipSpec, mode: QuantMode, head: QuantMode, c
         "bytes_per_token": full["bytes"],
         "weight_bytes_per_token": weights,
         "kv_cache_bytes": kv_bytes(prog.spec, st.seq_length, mode.act_bytes, layers=kv_layers),
-        "kv_bytes_per_token": kv_bytes(prog.spec, st.seq_length + 1, mode.act_bytes, cal.kv_per_query_head,
-                                       layers=kv_layers),
+        "kv_bytes_per_token": _kv_read_bytes(prog, family, mode.act_bytes, cal.kv_per_query_head),
         # recurrent layers: their f32 states, read and written once per decode step
         "state_bytes": state_bytes,
         "state_bytes_per_token": 2 * state_bytes,
@@ -676,6 +689,15 @@ def kv_bytes(spec: ModelSpec, history: int, act_bytes: int = 2, per_query_head: 
     cache size, or what attention reads when it streams K/V once per query head."""
     heads = spec.num_heads if per_query_head else spec.num_kv_heads
     return 2 * (spec.num_layers if layers is None else layers) * history * heads * spec.head_dim * act_bytes
+
+
+def _kv_read_bytes(prog: _Program, family: ModelFamily, act_bytes: int, per_query_head: bool) -> int:
+    """The K/V a decode step at full context reads: seq_length + 1 positions in each attention layer, at most
+    its window in a sliding one."""
+    spec, positions = prog.spec, prog.stages.seq_length + 1
+    windows = [stage_window(spec, i, prog.stages.seq_length) for i in prog.layers() if not family.states_of(spec, i)]
+    return sum(kv_bytes(spec, min(positions, w) if w else positions, act_bytes, per_query_head, layers=1)
+               for w in windows)
 
 
 def _weight_bytes(spec: ModelSpec, mode: QuantMode, head: QuantMode) -> float:

@@ -189,3 +189,19 @@ def test_models_doc_table_matches_the_families() -> None:
         refused = ", ".join(f"`{n}`" for n in NUMERIC_FIELDS if n not in family.config_fields)
         row = f"| `{family_name}` | {', '.join(family.architectures)} | {honored} | {refused} |"
         assert row in docs, f"docs/models.md has no row {row}"
+
+
+@pytest.mark.parametrize(("family", "config_class"), [("gemma2", "Gemma2Config"), ("gemma3", "Gemma3TextConfig")])
+def test_gemma_ties_embeddings_when_the_config_does_not_say(family: str, config_class: str) -> None:
+    """A Gemma config.json without `tie_word_embeddings` (published ones omit it) ties, as transformers does."""
+    import transformers
+
+    from topq.core.plugins import get_plugins
+
+    config = {"architectures": [f"{family.capitalize()}ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "vocab_size": 256, "sliding_window": 8}
+    assert getattr(transformers, config_class)(**config).tie_word_embeddings
+    normalize = get_plugins().families.get(family).normalize
+    assert normalize(normalize_rope(dict(config))).tie_word_embeddings
+    assert not normalize(normalize_rope({**config, "tie_word_embeddings": False})).tie_word_embeddings

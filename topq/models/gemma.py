@@ -38,9 +38,11 @@ def norm_rules(final_norm: str = "model.norm.weight") -> dict[str, WeightRule]:
 
 
 def gemma_overrides(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The spec fields every Gemma text config sets the same way."""
+    """The spec fields every Gemma text config sets the same way. Gemma ties its embeddings unless the config
+    says otherwise (transformers' Gemma configs default to True; Llama's to False)."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return {
+        **({} if "tie_word_embeddings" in config else {"tie_word_embeddings": True}),
         "attention_scale": float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
         "attn_softcap": float(config.get("attn_logit_softcapping") or 0.0),
         "final_softcap": float(config.get("final_logit_softcapping") or 0.0),

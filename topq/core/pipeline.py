@@ -147,7 +147,7 @@ class Quantizer:
         if scheme is self.scheme and name in self.precomputed:
             return self.precomputed[name]
         if scheme is self.scheme and scheme.stored is not None:
-            return scheme.stored(self.model.checkpoint.weights, name)
+            return scheme.stored(self.model.checkpoint.weights, name, self.options)
         if scheme.quantize is not None:
             return scheme.quantize(self.model.weight(name), self.options)
         return None
@@ -258,11 +258,6 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor
     lm_head = plugins.schemes.get(recipe.quant.lm_head)
     check_target_product(target, product, lm_head.produces(options))
     model = load_model(recipe, plugins)
-    dequantized = model.checkpoint.config.get("topq_gguf_dequantized")
-    if scheme.stored is not None and dequantized:
-        kinds = ", ".join(f"{n} × {t}" for t, n in sorted(dequantized.items()))
-        print(f"warning: GGUF tensor types without an exact integer form were dequantized and are kept in "
-              f"{product.compute_dtype}: {kinds}", file=sys.stderr)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), "top", model.module)
     linear_names = linear_weight_names(model.module)

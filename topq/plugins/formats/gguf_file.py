@@ -23,7 +23,7 @@ from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight
 from topq.io.schema import show
-from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
+from topq.plugins.formats.quantized import GGUF_DEQUANTIZED_BITS, GGUF_EXACT_TYPES, unpack_gguf
 
 __all__ = ["FORMAT", "GGUFStore", "detect", "gguf_to_hf_name", "open_checkpoint", "reverse_permute"]
 
@@ -120,14 +120,20 @@ class GGUFStore(BaseWeightStore):
     def quantized(self, name: str) -> QuantizedWeight | None:
         """Q4_0 / Q8_0 tensors repacked losslessly (blocks of 32, HF row order); None for every other type.
 
-        Other quantized GGML types (Q4_1, k-quants, ...) have no exact integer form here: `get` dequantizes them
-        and `Checkpoint.config["topq_gguf_dequantized"]` counts them per type so the pipeline can warn.
+        Other quantized GGML types (Q4_1, k-quants, ...) have no exact integer form here: `get` dequantizes them,
+        `dequantized_bits` gives their width (the `auto` scheme requantizes such linears) and
+        `Checkpoint.config["topq_gguf_dequantized"]` counts them per type.
         """
         entry = self._entry(name)
         qtype = entry.tensor.tensor_type.name
         if qtype not in GGUF_EXACT_TYPES:
             return None
         return unpack_gguf(self.get_raw(name), qtype, entry.shape, what=f"{self.path}: {entry.tensor.name}")
+
+    def dequantized_bits(self, name: str) -> int | None:
+        """Bits per weight of a quantized tensor without an exact integer form (Q4_1: 4, Q6_K: 6); None otherwise
+        (float types, Q4_0 / Q8_0, and a GGML type topq has no width for, which stays float)."""
+        return GGUF_DEQUANTIZED_BITS.get(self._entry(name).tensor.tensor_type.name)
 
     def dequantized_types(self) -> dict[str, int]:
         """{GGML type: tensor count} of the quantized tensors that are not repacked exactly (e.g. {"Q4_1": 210})."""

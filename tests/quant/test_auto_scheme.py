@@ -203,3 +203,23 @@ def test_auto_gguf_f16_scales_exact_on_bm1684x(gguf_model: tuple[Path, dict], tm
     a, b = Session(chip).feed(IDS, all_logits=True), Session(host).feed(IDS, all_logits=True)
     cos = float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
     assert cos >= 0.999, cos
+
+
+def test_auto_gguf_bits_sets_the_requantized_width(gguf_model: tuple[Path, dict], tmp_path: Path) -> None:
+    """quant.bits 8 requantizes every inexact type at 8 bits (Q4_1 too); the exact ones keep their codes; a width
+    auto cannot store is refused before the checkpoint is read."""
+    import ml_dtypes
+
+    from topq.core.errors import TopqError
+
+    path, reference = gguf_model
+    bundle = _bundle(path, tmp_path / "w8.topq", "host", bits=8)
+    rows = {row["name"]: row for row in bundle.meta["quant_report"]}
+    for name, (qtype, w) in reference.items():
+        assert rows[name]["bits"] == (4 if qtype == "Q4_0" else 8)
+        if qtype == "Q4_1":
+            np.testing.assert_array_equal(np.asarray(bundle.tensor(name)), requant_expected(w, 8, ml_dtypes.bfloat16))
+            assert rows[name]["error"] < 0.01
+    with pytest.raises(TopqError, match="quant.bits 3: scheme auto requantizes to 4 or 8 bits"):
+        _bundle(path, tmp_path / "w3.topq", "host", bits=3)
+    assert not (tmp_path / "w3.topq").exists()

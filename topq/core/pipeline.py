@@ -162,6 +162,8 @@ class Quantizer:
         scheme = self._scheme_for(name)
         if scheme is None:
             return None
+        if scheme is self.scheme and scheme.stored_spec is not None and name not in self.precomputed:
+            return scheme.stored_spec(self.model.checkpoint.weights, name, self.options)
         bits = scheme.produces(self.options).weight_bits
         if scheme.quantize is not None and len(bits) == 1 and name not in self.precomputed:
             n, k = self.model.checkpoint.weights.shape(name)
@@ -343,6 +345,8 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
                         (plugins.schemes.get(recipe.quant.scheme), plugins.schemes.get(recipe.quant.lm_head)))
     prepared = prepare(recipe, dump_dir, runner)
     phases.mark("prepare")
+    for line in prepared.calibration.warnings:
+        print(f"warning: {line}", file=sys.stderr)
     note = prepared.model.family.conversion_note
     if note is not None and (text := note(prepared.model.checkpoint.config)):
         print(f"note: {text}", file=sys.stderr)

@@ -10,7 +10,7 @@ Each decoder linear takes one of three routes (docs/quantization.md, "Pre-quanti
   values by round-to-nearest on topq's grid (`topq.quant.grid.quantize_groups`: group 32, asymmetric, the range
   widened to contain 0 so that a group of one sign cannot clip), 4-bit when the checkpoint stores them at 4 bits
   or fewer, 8-bit from 5 bits up (W4 would throw away what Q5_K / Q6_K keep; every target that takes `auto`
-  stores both widths);
+  stores both widths), or all at `quant.bits` (4 or 8) when the recipe sets it;
 * **float**: linears the checkpoint stores in float stay float.
 
 Scales are in the compute dtype, `quant.act_dtype` (default bf16): with f16 a GGUF / GPTQ f16 scale is kept bit
@@ -22,7 +22,6 @@ says in one warning line what was requantized or rounded.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -34,27 +33,33 @@ from topq.core.calibration_result import CalibrationResult
 from topq.core.checkpoint import QuantizedWeightStore, WeightStore
 from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
-from topq.core.quant import QuantizedWeight, QuantScheme, SchemeProduct
+from topq.core.quant import QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct
 from topq.ir.analysis import linear_weight_names
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import quantize_groups, signed_if_offset_symmetric
-from topq.quant.options import ACT_DTYPE, act_dtype
+from topq.quant.options import ACT_DTYPE, BITS, act_dtype
 
 #: the requantized layout: BM1684X's W4 group (and the block size of Q4_1 and of the k-quants' sub-blocks)
 GROUP = 32
 
 
-def requant_bits(stored_bits: int) -> int:
-    """The width a linear stored at `stored_bits` is requantized to: 4 up to 4 bits, 8 above."""
-    return 4 if stored_bits <= 4 else 8
+def requant_bits(stored_bits: int, options: Mapping[str, Any]) -> int:
+    """The width a linear stored at `stored_bits` is requantized to: `quant.bits` when set (4 or 8), else 4 up to
+    4 bits and 8 above."""
+    wanted = options.get("bits")
+    if wanted is None:
+        return 4 if stored_bits <= 4 else 8
+    if wanted not in (4, 8):
+        raise TopqError(f"quant.bits {wanted}: scheme auto requantizes to 4 or 8 bits (null: by the stored type)")
+    return int(wanted)
 
 
-def requantize(w: np.ndarray, stored_bits: int, dtype: str, what: str = "weight") -> QuantizedWeight:
+def requantize(w: np.ndarray, bits: int, dtype: str, what: str = "weight") -> QuantizedWeight:
     """Round-to-nearest of a dequantized weight [N, K] in groups of 32, asymmetric, scales rounded to `dtype`."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2 or w.shape[1] % GROUP:
         raise TopqError(f"{what}: cannot requantize shape {list(w.shape)} in groups of {GROUP}")
-    q = quantize_groups(w, requant_bits(stored_bits), GROUP, symmetric=False)
+    q = quantize_groups(w, bits, GROUP, symmetric=False)
     return dataclasses.replace(q, scales=round_to_dtype(q.scales, dtype))
 
 
@@ -68,7 +73,19 @@ def stored(weights: WeightStore, name: str, options: Mapping[str, Any]) -> Quant
     bits = weights.dequantized_bits(name)
     if bits is None:
         return None
-    return requantize(weights.get(name), bits, act_dtype(options), name)
+    return requantize(weights.get(name), requant_bits(bits, options), act_dtype(options), name)
+
+
+def stored_spec(weights: WeightStore, name: str, options: Mapping[str, Any]) -> QuantSpec | None:
+    """The layout `stored` gives `name`, without dequantizing or requantizing it."""
+    if not isinstance(weights, QuantizedWeightStore):
+        return None
+    bits = weights.dequantized_bits(name)
+    if bits is None:
+        q = stored(weights, name, options)
+        return q.spec if q is not None else None
+    n, k = weights.shape(name)
+    return QuantSpec((n, k), requant_bits(bits, options), GROUP, symmetric=False)
 
 
 def _relative(error: np.ndarray, reference: np.ndarray) -> float:
@@ -76,9 +93,11 @@ def _relative(error: np.ndarray, reference: np.ndarray) -> float:
     return float(np.linalg.norm(error)) / norm if norm > 0 else float(np.linalg.norm(error))
 
 
-def _row(weights: WeightStore, name: str, dtype: str) -> dict[str, Any] | None:
+def _row(weights: WeightStore, name: str, options: Mapping[str, Any]) -> dict[str, Any] | None:
     """One report row: the route, the checkpoint's type and the relative Frobenius error of the weight the
-    product holds against the checkpoint's own values (exact routes: only the scales' rounding to `dtype`)."""
+    product holds against the checkpoint's own values (exact routes: only the scales' rounding to the compute
+    dtype)."""
+    dtype = act_dtype(options)
     source = weights.dtype(name)
     q = weights.quantized(name)
     if q is not None:
@@ -95,44 +114,55 @@ def _row(weights: WeightStore, name: str, dtype: str) -> dict[str, Any] | None:
     if bits is None:
         return None
     reference = weights.get(name)
-    requantized = requantize(reference, bits, dtype, name)
+    requantized = requantize(reference, requant_bits(bits, options), dtype, name)
     return {"name": name, "mode": "requant", "source": source, "bits": requantized.bits,
             "error": _relative(requantized.dequantize() - reference, reference)}
 
 
 def report(model: Any, recipe: Any) -> CalibrationResult:
     """Per stored-quantized decoder linear, its route and error (no data is read: `error` is the relative
-    Frobenius error of the weight, the output error for white inputs); one warning line per lossy route."""
+    Frobenius error of the weight, the output error for white inputs); one warning line per lossy route
+    (`CalibrationResult.warnings`)."""
     weights = model.checkpoint.weights
-    dtype = act_dtype(recipe.to_dict()["quant"])
+    options = recipe.to_dict()["quant"]
     linears = linear_weight_names(model.module)
     # the lm_head (or the tied embedding) follows quant.lm_head, not this scheme (as the pipeline's Quantizer)
     head = model.family.global_weights["embed" if model.spec.tie_word_embeddings else "lm_head"]
     result = CalibrationResult()
     if isinstance(weights, QuantizedWeightStore):
         for name in weights.names():
-            if name in linears and name != head and (row := _row(weights, name, dtype)) is not None:
+            if name in linears and name != head and (row := _row(weights, name, options)) is not None:
                 result.report.append(row)
-    _warn(result.report, dtype)
+    result.warnings = _warnings(result.report, act_dtype(options))
     return result
 
 
-def _warn(rows: list[dict[str, Any]], dtype: str) -> None:
+def _warnings(rows: list[dict[str, Any]], dtype: str) -> list[str]:
+    lines = []
     requant = [r for r in rows if r["mode"] == "requant"]
     if requant:
         kinds = ", ".join(f"{n} × {t}" for t, n in sorted(Counter(r["source"] for r in requant).items()))
         widths = "/".join(f"W{b}" for b in sorted({r["bits"] for r in requant}))
         errors = [r["error"] for r in requant]
-        print(f"warning: auto: {len(requant)} linears stored without an exact integer form ({kinds}) are "
-              f"requantized to {widths} group {GROUP} asymmetric: relative weight error mean "
-              f"{100 * float(np.mean(errors)):.2f} %, max {100 * max(errors):.2f} % (per linear in the quant report)",
-              file=sys.stderr)
+        lines.append(f"auto: {len(requant)} linears stored without an exact integer form ({kinds}) are "
+                     f"requantized to {widths} group {GROUP} asymmetric: relative weight error mean "
+                     f"{100 * float(np.mean(errors)):.2f} %, max {100 * max(errors):.2f} % "
+                     "(per linear in the quant report)")
     rounded = [r for r in rows if r.get("scale_error", 0.0) > 0]
     if rounded:
         worst = max(r["scale_error"] for r in rounded)
-        print(f"warning: auto: the stored scales of {len(rounded)} linears are rounded to {dtype}, the compute "
-              f"dtype, on targets that store scales in it (max relative scale error {100 * worst:.3f} %)"
-              + ("; quant.act_dtype: f16 keeps f16 scales exact" if dtype != "f16" else ""), file=sys.stderr)
+        hint = "; quant.act_dtype: f16 keeps f16 scales exact" if dtype != "f16" else ""
+        lines.append(f"auto: the stored scales of {len(rounded)} linears are rounded to {dtype}, the compute dtype, "
+                     f"on targets that store scales in it (max relative scale error {100 * worst:.3f} %){hint}")
+    return lines
+
+
+def product(options: Mapping[str, Any]) -> SchemeProduct:
+    """The checkpoint decides each weight's bits; 4 and 8 are what the importers and the requantization produce
+    for GGUF and usual GPTQ/AWQ checkpoints. Other widths (GPTQ 2/3-bit) reach the target per weight, as its
+    QuantSpec. A `quant.bits` auto cannot requantize to is refused here, before any work."""
+    requant_bits(4, options)
+    return SchemeProduct(act_dtype(options), (4, 8))
 
 
 SCHEME = QuantScheme(
@@ -140,12 +170,10 @@ SCHEME = QuantScheme(
     "the checkpoint's own quantization (quantization_config or GGUF tensor types); GGUF types without an exact "
     "integer form requantized to group 32 (reported)",
     compute_dtype="bf16",
-    options=(ACT_DTYPE,),
-    # The checkpoint decides each weight's bits; 4 and 8 are what the importers and the requantization produce
-    # for GGUF and usual GPTQ/AWQ checkpoints. Other widths (GPTQ 2/3-bit) reach the target per weight, as its
-    # QuantSpec.
-    product=lambda options: SchemeProduct(act_dtype(options), (4, 8)),
+    options=(BITS, ACT_DTYPE),
+    product=product,
     stored=stored,
+    stored_spec=stored_spec,
     calibrate=report,
 )
 

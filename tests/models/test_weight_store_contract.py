@@ -110,8 +110,8 @@ def test_safetensors_store_reads_privately_and_fingerprints_without_reading(tmp_
 
 def test_family_mapping_keeps_the_dequantized_width_of_row_blocks() -> None:
     """A fused GGUF tensor split into rows keeps its width (blocks never span rows); a transformed one has none."""
-    from topq.models.weightmap import AddScalar, MappedWeights, Rows
     from topq.core.spec import ModelSpec
+    from topq.models.weightmap import AddScalar, MappedWeights, Rows
 
     class Q41Store(ArrayStore):
         def dequantized_bits(self, name: str) -> int | None:

@@ -96,6 +96,6 @@ def test_every_weight_rule_shows_its_fields_with_types() -> None:
 def test_the_checker_sees_what_it_checks() -> None:
     # The table reads CalibrationResult's extras from an instance and Field from the schema module: a rename or a
     # moved class shows here rather than as a silently shorter list.
-    assert CONTRACTS["CalibrationResult"][1] == ["float_weights", "report", "state"]
+    assert CONTRACTS["CalibrationResult"][1] == ["float_weights", "report", "state", "warnings"]
     assert {"type", "default", "help", "choices"} <= set(CONTRACTS["Field"][1])
     assert not documented("| `name` |", "nam") and documented("| `ge` / `gt` / `le` |", "gt")

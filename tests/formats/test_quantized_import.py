@@ -473,8 +473,9 @@ def test_gguf_store_quantized(tmp_path: Path) -> None:
                        ("blk.0.ffn_up.weight", up, T.Q4_1),
                        ("blk.0.attn_norm.weight", np.ones(64, np.float32), None)])
     ck = gguf_file.open_checkpoint(path)
-    assert ck.config["topq_gguf_dequantized"] == {"Q4_1": 1}
     w = ck.weights
+    assert w.dequantized_bits("model.layers.0.mlp.up_proj.weight") == 4  # Q4_1: requantized by `auto`
+    assert w.dequantized_bits("model.layers.0.self_attn.q_proj.weight") is None  # Q4_0: exact
     q = w.quantized("model.layers.0.self_attn.q_proj.weight")
     assert q is not None and q.codes.shape == (64, 64)
     # HF row order: llama.cpp's q_proj permutation undone on whole rows, codes and scales alike
@@ -487,6 +488,34 @@ def test_gguf_store_quantized(tmp_path: Path) -> None:
     np.testing.assert_array_equal(v.dequantize(), w.get("model.layers.0.self_attn.v_proj.weight"))
     assert w.quantized("model.layers.0.mlp.up_proj.weight") is None
     assert w.quantized("model.layers.0.input_layernorm.weight") is None
+    # only the tensor without an exact integer form has a dequantized width (what `auto` requantizes)
+    assert [w.dequantized_bits(f"model.layers.0.{n}.weight") for n in
+            ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj", "input_layernorm")] == [None, None, 4, None]
+
+
+@pytest.mark.parametrize("qtype, bits", [("Q4_1", 4), ("Q5_0", 5), ("Q5_1", 5), ("Q2_K", 2), ("Q3_K", 3),
+                                         ("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6), ("F16", None), ("Q8_0", None)])
+def test_gguf_dequantized_bits_per_type(tmp_path: Path, qtype: str, bits: int | None) -> None:
+    """The width of each GGML type read from a file (k-quants as random blocks: gguf-py cannot quantize them);
+    `get` gives gguf-py's own dequantization for every one."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+    from gguf_llama import random_k_blocks
+
+    rng = np.random.default_rng(24)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    if qtype == "F16":
+        data, raw = w.astype(np.float16), None
+    else:
+        data = random_k_blocks(qtype, 64, 256, rng) if qtype.endswith("_K") else quantize(w, T[qtype])
+        raw = T[qtype]
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, [("blk.0.ffn_up.weight", data, raw)])
+    store = gguf_file.open_checkpoint(path).weights
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert store.dequantized_bits(name) == bits and store.dtype(name) == ("float16" if raw is None else qtype)
+    want = data.astype(np.float32) if raw is None else dequantize(data, raw).reshape(64, 256)
+    np.testing.assert_array_equal(store.get(name), want)
 
 
 def test_smollm2_reports_dequantized_q4_1(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -497,9 +526,10 @@ def test_smollm2_reports_dequantized_q4_1(monkeypatch: pytest.MonkeyPatch) -> No
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     monkeypatch.setattr(gguf_file, "_tokenizer_files", lambda *args: {})  # not under test; slow to convert
     ck = gguf_file.open_checkpoint(path)
-    assert ck.config["topq_gguf_dequantized"] == {"Q4_1": 210}
     w = ck.weights
+    assert sum(w.dequantized_bits(n) == 4 for n in w.names()) == 210  # every Q4_1 linear
     assert w.quantized("model.layers.0.self_attn.q_proj.weight") is None  # Q4_1: no exact integer form
+    assert w.dequantized_bits("model.layers.0.self_attn.q_proj.weight") == 4
     emb = w.quantized("model.embed_tokens.weight")  # the file's one Q8_0 tensor
     assert emb is not None and emb.bits == 8 and emb.codes.shape == (49152, 576)
 

@@ -68,7 +68,7 @@ def test_base_store_defaults() -> None:
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     store = ArrayStore({"w": w})
     assert isinstance(store, WeightStore)
-    assert store.read_raw("w") is None and store.quantized("w") is None
+    assert store.read_raw("w") is None and store.quantized("w") is None and store.dequantized_bits("w") is None
     assert store.fingerprint("w") == hashlib.sha256(w.tobytes()).hexdigest()
     store.arrays["w"] = w + 1
     assert store.fingerprint("w") != hashlib.sha256(w.tobytes()).hexdigest()
@@ -87,8 +87,8 @@ def test_a_store_missing_contract_methods_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TopqError) as info:
         open_checkpoint(plugins, tmp_path / "m.duck")
     message = str(info.value)
-    assert message == ("checkpoint format duck: its weight store lacks read_raw, quantized, fingerprint "
-                       "(derive it from topq.core.checkpoint.BaseWeightStore)")
+    assert message == ("checkpoint format duck: its weight store lacks read_raw, quantized, dequantized_bits, "
+                       "fingerprint (derive it from topq.core.checkpoint.BaseWeightStore)")
 
 
 def test_safetensors_store_reads_privately_and_fingerprints_without_reading(tmp_path: Path) -> None:
@@ -106,3 +106,20 @@ def test_safetensors_store_reads_privately_and_fingerprints_without_reading(tmp_
     assert str((tmp_path / "model.safetensors").resolve()) in before
     write_safetensors(tmp_path / "model.safetensors", [("a.weight", np.zeros((3, 5), np.float32))], {})
     assert open_hf(tmp_path).weights.fingerprint("a.weight") != before  # the size changed
+
+
+def test_family_mapping_keeps_the_dequantized_width_of_row_blocks() -> None:
+    """A fused GGUF tensor split into rows keeps its width (blocks never span rows); a transformed one has none."""
+    from topq.core.spec import ModelSpec
+    from topq.models.weightmap import AddScalar, MappedWeights, Rows
+
+    class Q41Store(ArrayStore):
+        def dequantized_bits(self, name: str) -> int | None:
+            return 4 if name.endswith("gate_up") else None
+
+    base = Q41Store({"l.0.gate_up": np.zeros((8, 32), np.float32), "norm": np.zeros(4, np.float32)})
+    spec = ModelSpec(family="t", architecture="T", hidden_size=4, intermediate_size=4, num_layers=1, num_heads=2,
+                     num_kv_heads=2, head_dim=2, vocab_size=10)
+    store = MappedWeights(base, {"l.{i}.gate": Rows("l.{i}.gate_up", 2, 0), "l.{i}.up": Rows("l.{i}.gate_up", 2, 1),
+                                 "norm": AddScalar("norm", 1.0)}, spec, "t")
+    assert [store.dequantized_bits(n) for n in ("l.0.gate", "l.0.up", "norm")] == [4, 4, None]

@@ -29,6 +29,8 @@ class CalibrationResult(dict[str, QuantizedWeight]):
     * `report`: per linear, the calibration-set output error of plain RTN and of the algorithm.
     * `state`: anything else (JSON-able) a scheme's `restore` needs to redo its other changes to the model in a
       worker that loads this result instead of calibrating (int8: the plan).
+    * `warnings`: lines the converting process prints (`warning: ...`) once the conversion is known to go ahead
+      (after the target compiled it), so a refused recipe still ends in its one error line. Not stored for workers.
     """
 
     def __init__(self, values: Mapping[str, QuantizedWeight] | None = None) -> None:
@@ -36,6 +38,7 @@ class CalibrationResult(dict[str, QuantizedWeight]):
         self.float_weights: dict[str, np.ndarray] = {}
         self.report: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}
+        self.warnings: list[str] = []
 
     @classmethod
     def of(cls, values: Mapping[str, QuantizedWeight]) -> CalibrationResult:

@@ -69,6 +69,12 @@ class WeightStore(Protocol):
         None for a tensor without one. The `auto` scheme keeps it."""
         ...
 
+    def dequantized_bits(self, name: str) -> int | None:
+        """The bits per weight of a tensor the checkpoint stores quantized in a form `quantized` cannot give as
+        exact integers (GGUF Q4_1: 4, Q6_K: 6; `get` gives its dequantization); None for float tensors and for
+        those `quantized` gives. The `auto` scheme requantizes such linears."""
+        ...
+
     def fingerprint(self, name: str) -> str:
         """A string that changes whenever the tensor's stored bytes change (build-cache keys)."""
         ...
@@ -76,7 +82,8 @@ class WeightStore(Protocol):
 
 #: the methods `WeightStore` declares (named in the error for a store that lacks some)
 WEIGHT_STORE_METHODS: tuple[str, ...] = (
-    "names", "shape", "dtype", "__contains__", "get", "get_raw", "read_raw", "quantized", "fingerprint")
+    "names", "shape", "dtype", "__contains__", "get", "get_raw", "read_raw", "quantized", "dequantized_bits",
+    "fingerprint")
 
 
 class BaseWeightStore(ABC):
@@ -105,6 +112,9 @@ class BaseWeightStore(ABC):
 
     def quantized(self, name: str) -> QuantizedWeight | None:
         return None  # a float checkpoint
+
+    def dequantized_bits(self, name: str) -> int | None:
+        return None  # every quantized tensor (if any) has its exact integer form
 
     def fingerprint(self, name: str) -> str:
         # Hashing the bytes is always right; stores that know their files do it without reading them.

@@ -147,7 +147,7 @@ class Quantizer:
         if scheme is self.scheme and name in self.precomputed:
             return self.precomputed[name]
         if scheme is self.scheme and scheme.stored is not None:
-            return scheme.stored(self.model.checkpoint.weights, name)
+            return scheme.stored(self.model.checkpoint.weights, name, self.options)
         if scheme.quantize is not None:
             return scheme.quantize(self.model.weight(name), self.options)
         return None
@@ -162,6 +162,8 @@ class Quantizer:
         scheme = self._scheme_for(name)
         if scheme is None:
             return None
+        if scheme is self.scheme and scheme.stored_spec is not None and name not in self.precomputed:
+            return scheme.stored_spec(self.model.checkpoint.weights, name, self.options)
         bits = scheme.produces(self.options).weight_bits
         if scheme.quantize is not None and len(bits) == 1 and name not in self.precomputed:
             n, k = self.model.checkpoint.weights.shape(name)
@@ -258,11 +260,6 @@ def prepare(recipe: Recipe, dump_dir: Path | None = None, executor: TaskExecutor
     lm_head = plugins.schemes.get(recipe.quant.lm_head)
     check_target_product(target, product, lm_head.produces(options))
     model = load_model(recipe, plugins)
-    dequantized = model.checkpoint.config.get("topq_gguf_dequantized")
-    if scheme.stored is not None and dequantized:
-        kinds = ", ".join(f"{n} × {t}" for t, n in sorted(dequantized.items()))
-        print(f"warning: GGUF tensor types without an exact integer form were dequantized and are kept in "
-              f"{product.compute_dtype}: {kinds}", file=sys.stderr)
     if dump_dir is not None:
         dump_ir(Path(dump_dir), "top", model.module)
     linear_names = linear_weight_names(model.module)
@@ -332,6 +329,8 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
                         (plugins.schemes.get(recipe.quant.scheme), plugins.schemes.get(recipe.quant.lm_head)))
     prepared = prepare(recipe, dump_dir, runner)
     phases.mark("prepare")
+    for line in prepared.calibration.warnings:
+        print(f"warning: {line}", file=sys.stderr)
     note = prepared.model.family.conversion_note
     if note is not None and (text := note(prepared.model.checkpoint.config)):
         print(f"note: {text}", file=sys.stderr)

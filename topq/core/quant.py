@@ -107,7 +107,9 @@ class QuantScheme:
     `compute_dtype` is the activation/compute dtype (f32, bf16, f16); `weight_bits` is None for float schemes;
     `options` are the recipe options it reads (merged into the recipe schema when plugins load); `product(options)`
     says what it produces for a recipe's options (default: `compute_dtype` and `weight_bits` as declared);
-    `stored(weights, name)` returns values the checkpoint already holds instead of computing them (`auto`).
+    `stored(weights, name, options)` returns values the checkpoint already holds instead of computing them (`auto`;
+    None: keep the weight float); `stored_spec(weights, name, options)`, when given, is the layout of `stored`'s value
+    without computing it (a requantization is costly; the targets plan with the layout first).
     `quantize(weight, options)` returns a QuantizedWeight for one linear weight [N, K] (round-to-nearest schemes).
     `calibrate(model, recipe, *, executor)` (schemes that need data: GPTQ, AWQ, AutoRound, INT8) runs the float
     model on the recipe's calibration data and returns {weight name: QuantizedWeight} plus anything it wants in the
@@ -147,7 +149,8 @@ class QuantScheme:
     restore: Callable[[Any, Any, Any], None] | None = None
     error_report: Callable[[Any, Any, QuantScheme, Any], Mapping[str, QuantizedWeight]] | None = None
     product: Callable[[Mapping[str, Any]], SchemeProduct] | None = None
-    stored: Callable[[WeightStore, str], QuantizedWeight | None] | None = None
+    stored: Callable[[WeightStore, str, Mapping[str, Any]], QuantizedWeight | None] | None = None
+    stored_spec: Callable[[WeightStore, str, Mapping[str, Any]], QuantSpec | None] | None = None
     observe: Callable[[int], InputObserver] | None = None
     solve: Callable[[np.ndarray, Any, Mapping[str, Any]], QuantizedWeight] | None = None
 

@@ -287,6 +287,15 @@ class MappedWeights:
         rows = d.rows
         return replace(q, codes=q.codes[rows], scales=q.scales[rows], zeros=q.zeros[rows])
 
+    def dequantized_bits(self, name: str) -> int | None:
+        """The base store's for a passed-through tensor or a row block of one (rows keep their blocks: GGUF blocks
+        never span two rows); None for transformed or stacked tensors."""
+        from_base = getattr(self.base, "dequantized_bits", None)
+        d = self._check(name)
+        if from_base is None or (d is not None and not isinstance(d.rule, (Rows, GroupedRows))):
+            return None
+        return from_base(name if d is None else d.sources[0])
+
     def fingerprint(self, name: str) -> str:
         """Identity for build caching: the base store's for a passed-through tensor; for a derived one its rule
         and its sources' identities."""

@@ -31,7 +31,7 @@ from topq.io.schema import show
 from topq.io.tokenizer import tokenizer_files_of
 from topq.models.decoder import normalize_rope
 from topq.models.gguf import GGUFArchitecture, gguf_architecture, gguf_architecture_names
-from topq.plugins.formats.quantized import GGUF_EXACT_TYPES, unpack_gguf
+from topq.plugins.formats.quantized import GGUF_DEQUANTIZED_BITS, GGUF_EXACT_TYPES, unpack_gguf
 
 __all__ = ["FORMAT", "GGUFStore", "detect", "gguf_to_hf_name", "open_checkpoint", "reverse_permute"]
 
@@ -137,8 +137,8 @@ class GGUFStore(BaseWeightStore):
     def quantized(self, name: str) -> QuantizedWeight | None:
         """Q4_0 / Q8_0 tensors repacked losslessly (blocks of 32, HF row order); None for every other type.
 
-        Other quantized GGML types (Q4_1, k-quants, ...) have no exact integer form here: `get` dequantizes them
-        and `Checkpoint.config["topq_gguf_dequantized"]` counts them per type so the pipeline can warn.
+        Other quantized GGML types (Q4_1, k-quants, ...) have no exact integer form here: `get` dequantizes them,
+        `dequantized_bits` gives their width (the `auto` scheme requantizes such linears).
         """
         entry = self._entry(name)
         qtype = entry.tensor.tensor_type.name
@@ -146,14 +146,10 @@ class GGUFStore(BaseWeightStore):
             return None
         return unpack_gguf(self.get_raw(name), qtype, entry.shape, what=f"{self.path}: {entry.tensor.name}")
 
-    def dequantized_types(self) -> dict[str, int]:
-        """{GGML type: tensor count} of the quantized tensors that are not repacked exactly (e.g. {"Q4_1": 210})."""
-        counts: dict[str, int] = {}
-        for entry in self._entries.values():
-            qtype = entry.tensor.tensor_type.name
-            if qtype not in _PLAIN_NP and qtype != "BF16" and qtype not in GGUF_EXACT_TYPES:
-                counts[qtype] = counts.get(qtype, 0) + 1
-        return dict(sorted(counts.items()))
+    def dequantized_bits(self, name: str) -> int | None:
+        """Bits per weight of a quantized tensor without an exact integer form (Q4_1: 4, Q6_K: 6); None otherwise
+        (float types, Q4_0 / Q8_0, and a GGML type topq has no width for, which stays float)."""
+        return GGUF_DEQUANTIZED_BITS.get(self._entry(name).tensor.tensor_type.name)
 
     def get(self, name: str) -> np.ndarray:
         from gguf.quants import dequantize
@@ -443,7 +439,6 @@ def open_checkpoint(path: Path) -> Checkpoint:
     tensor_names = {t.name for t in reader.tensors}
     config = _config(reader, declared, tensor_names, path)
     weights = GGUFStore(path, reader, _entries(reader, config, declared, path))
-    config["topq_gguf_dequantized"] = weights.dequantized_types()  # GGML types with no exact repack: warn
     return Checkpoint(path=path, format="gguf", config=config, weights=weights,
                       tokenizer_files=parsed.tokenizer_files())
 

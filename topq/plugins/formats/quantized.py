@@ -59,6 +59,7 @@ from topq.quant.grid import to_signed_symmetric  # re-exported: the unpackers' c
 
 __all__ = [
     "AWQ_ORDER",
+    "GGUF_DEQUANTIZED_BITS",
     "GGUF_EXACT_TYPES",
     "SUPPORTED_METHODS",
     "CTGroup",
@@ -78,6 +79,15 @@ __all__ = [
 AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
 SUPPORTED_METHODS: tuple[str, ...] = ("gptq", "awq", "auto-round", "compressed-tensors")
 GGUF_EXACT_TYPES: tuple[str, ...] = ("Q4_0", "Q8_0")
+#: bits per weight of the GGML quantized types without an exact integer form here (`GGUFStore.dequantized_bits`):
+#: the width of each block's codes (ggml-common.h block structs; ternary TQ1_0 / TQ2_0 count as 2, the FP4 kinds
+#: as 4). Their values are float combinations (Q4_1: d·q + m; k-quants: sub-block scale and minimum codes on top).
+GGUF_DEQUANTIZED_BITS: dict[str, int] = {
+    "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_1": 8,
+    "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q8_K": 8,
+    "IQ1_S": 1, "IQ1_M": 1, "IQ2_XXS": 2, "IQ2_XS": 2, "IQ2_S": 2, "IQ3_XXS": 3, "IQ3_S": 3, "IQ4_NL": 4,
+    "IQ4_XS": 4, "TQ1_0": 2, "TQ2_0": 2, "MXFP4": 4, "NVFP4": 4,
+}
 _GPTQ_BITS = (2, 3, 4, 8)
 _WORD = 32
 #: a 1 in every field of a packed 32-bit word: what GPTQ v1 subtracts from each qzeros word (whole fields only;

@@ -1,9 +1,13 @@
-"""Prefill and decode speed of the onnx target (ONNX Runtime) vs the topq host runtime vs transformers eager f32.
+"""Prefill and decode speed of the onnx target (ONNX Runtime) vs the topq host runtime, transformers eager f32
+and (when llama-cpp-python is installed) llama.cpp.
 
 SmolLM2-135M-Instruct, W4 group-64 asymmetric (RTN, `w4bf16`), in one process with the same thread count for
 every backend: a `--prefill`-token prompt (one prefill call) timed, then `--tokens` greedy decode steps after one
-untimed warm-up step (the KV cache reused step to step). The onnx bundle runs at MatMulNBits accuracy_level 0
-(float32 activations) and 4 (int8 activations). transformers loads the same GGUF with its own code, in float32.
+untimed warm-up step (the KV cache reused step to step). The onnx target runs two bundles — attention as
+com.microsoft.GroupQueryAttention (`target.attention: gqa`) and as standard ops (`standard`) — each at MatMulNBits
+accuracy_level 0 (float32 activations) and 4 (int8 activations); the table says how far each one's logits are
+from the first onnx run's. transformers loads the same GGUF with its own code, in float32; llama.cpp runs the
+GGUF file itself (its Q4_1 blocks of 32, not topq's W4 g64) with its own kernels.
 
     python -m benchmarks.onnx_decode                         # 512-token prefill, 32 decode steps, 2 threads
     python -m benchmarks.onnx_decode --tokens 8 --prefill 128 --json
@@ -34,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=32, help="decode steps to time (default 32)")
     p.add_argument("--threads", type=int, default=2, help="threads of every backend (default 2)")
     p.add_argument("--bundles", type=Path, help="directory for the converted bundles (reused when present)")
-    p.add_argument("--skip", nargs="*", default=[], choices=("host", "transformers"),
+    p.add_argument("--skip", nargs="*", default=[], choices=("host", "transformers", "llama.cpp"),
                    help="backends to leave out (the host interpreter's prefill is slow)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
@@ -43,16 +47,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def convert_bundle(directory: Path, chip: str, prefill: int, tokens: int) -> Path:
+def convert_bundle(directory: Path, chip: str, prefill: int, tokens: int, **target: Any) -> Path:
     from benchmarks.host_decode import gguf_path
     from topq.core.pipeline import convert
     from topq.core.recipe import recipe_from_defaults
 
-    output = directory / f"smollm2-w4g64-{chip}-{prefill}.topq"
+    options = "".join(f"-{value}" for value in target.values())
+    output = directory / f"smollm2-w4g64-{chip}{options}-{prefill}.topq"
     if not output.exists():
         recipe = recipe_from_defaults(
             model={"path": str(gguf_path())}, quant={"scheme": "w4bf16", "group_size": 64, "symmetric": False},
-            target={"chip": chip}, output={"path": str(output)},
+            target={"chip": chip, **target}, output={"path": str(output)},
             stages={"seq_length": prefill + tokens + 8, "max_input_length": prefill, "decode_chunks": []})
         convert(recipe, progress=False)
     return output
@@ -71,13 +76,45 @@ def time_session(bundle: Any, executor: Any, prompt: list[int], tokens: int) -> 
     logits = session.feed(prompt)
     prefill_s = time.perf_counter() - started
     out = [int(np.argmax(logits))]
-    out.append(int(np.argmax(session.decode(out[-1]))))  # warm-up: creates the decode variant's sessions/plans
+    rows = [logits]
+    rows.append(session.decode(out[-1]))  # warm-up: creates the decode variant's sessions/plans
+    out.append(int(np.argmax(rows[-1])))
     steps = []
     for _ in range(tokens):
         t = time.perf_counter()
         logits = session.decode(out[-1])
         steps.append(time.perf_counter() - t)
         out.append(int(np.argmax(logits)))
+        rows.append(logits)
+    return {"prefill_s": prefill_s, "steps": steps, "tokens": out, "logits": np.stack(rows)}
+
+
+def time_llama_cpp(prompt: list[int], tokens: int, threads: int) -> dict[str, Any] | None:
+    """llama.cpp (llama-cpp-python, optional) on the same GGUF file: one prompt evaluation, then greedy steps."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    import numpy as np
+
+    from benchmarks.host_decode import gguf_path
+
+    model = llama_cpp.Llama(str(gguf_path()), n_ctx=len(prompt) + tokens + 8, n_batch=len(prompt),
+                            n_threads=threads, n_threads_batch=threads, verbose=False)
+    model.eval(prompt[:8])  # untimed: first-call allocations
+    model.reset()
+    started = time.perf_counter()
+    model.eval(prompt)
+    prefill_s = time.perf_counter() - started
+    out = [int(np.argmax(model.scores[model.n_tokens - 1]))]
+    model.eval([out[-1]])  # warm-up step, as for the other backends
+    out.append(int(np.argmax(model.scores[model.n_tokens - 1])))
+    steps = []
+    for _ in range(tokens):
+        t = time.perf_counter()
+        model.eval([out[-1]])
+        steps.append(time.perf_counter() - t)
+        out.append(int(np.argmax(model.scores[model.n_tokens - 1])))
     return {"prefill_s": prefill_s, "steps": steps, "tokens": out}
 
 
@@ -94,10 +131,18 @@ def time_transformers(prompt: list[int], tokens: int) -> dict[str, Any]:
     return run(model, prompt, tokens)
 
 
-def summarize(name: str, run: dict[str, Any]) -> dict[str, Any]:
+def summarize(name: str, run: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """One row; `logit_diff`: the largest |logit − the reference onnx run's| over the prompt's last position and
+    every decode step (onnx runs only: the same tokens are fed when the greedy choices agree)."""
+    import numpy as np
+
     ms = [s * 1e3 for s in run["steps"]]
-    return {"backend": name, "prefill_ms": round(run["prefill_s"] * 1e3, 1), "decoded": len(ms),
-            "ms_per_token": round(statistics.fmean(ms), 2), "tokens_per_s": round(1e3 / statistics.fmean(ms), 2)}
+    row = {"backend": name, "prefill_ms": round(run["prefill_s"] * 1e3, 1), "decoded": len(ms),
+           "ms_per_token": round(statistics.fmean(ms), 2), "tokens_per_s": round(1e3 / statistics.fmean(ms), 2),
+           "same_tokens": run["tokens"] == reference["tokens"]}
+    if "logits" in run and run["logits"].shape == reference["logits"].shape and row["same_tokens"]:
+        row["logit_diff"] = float(f"{float(np.abs(run['logits'] - reference['logits']).max()):.2g}")
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,21 +160,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="topq-bench-") as tmp:
         directory = args.bundles or Path(tmp)
         directory.mkdir(parents=True, exist_ok=True)
-        onnx_bundle = Bundle(convert_bundle(directory, "onnx", args.prefill, args.tokens))
-        ids = onnx_bundle.tokenizer.encode(TEXT * (1 + args.prefill // 60))
-        prompt = [int(t) for t in ids[:args.prefill]]
-        assert len(prompt) == args.prefill, "the benchmark text is too short for --prefill"
         runs: dict[str, dict[str, Any]] = {}
-        for level in (0, 4):
-            executor = OnnxExecutor(onnx_bundle, accuracy_level=level)
-            runs[f"onnx (ORT, accuracy_level {level})"] = time_session(onnx_bundle, executor, prompt, args.tokens)
+        for attention in ("gqa", "standard"):
+            onnx_bundle = Bundle(convert_bundle(directory, "onnx", args.prefill, args.tokens, attention=attention))
+            ids = onnx_bundle.tokenizer.encode(TEXT * (1 + args.prefill // 60))
+            prompt = [int(t) for t in ids[:args.prefill]]
+            assert len(prompt) == args.prefill, "the benchmark text is too short for --prefill"
+            for level in (0, 4):
+                executor = OnnxExecutor(onnx_bundle, accuracy_level=level)
+                runs[f"onnx {attention}, level {level}"] = time_session(onnx_bundle, executor, prompt, args.tokens)
         if "host" not in args.skip:
             host_bundle = Bundle(convert_bundle(directory, "host", args.prefill, args.tokens))
             runs["topq host (numpy interpreter)"] = time_session(host_bundle, open_executor(host_bundle), prompt,
                                                                  args.tokens)
         if "transformers" not in args.skip:
             runs["transformers eager f32"] = time_transformers(prompt, args.tokens)
-    rows = [summarize(name, run) for name, run in runs.items()]
+        if "llama.cpp" not in args.skip:
+            llama = time_llama_cpp(prompt, args.tokens, args.threads)
+            if llama is not None:
+                runs["llama.cpp (GGUF Q4_1)"] = llama
+            else:
+                print("note: llama-cpp-python is not installed; no llama.cpp row", file=sys.stderr)
+    first = next(iter(runs.values()))
+    rows = [summarize(name, run, first) for name, run in runs.items()]
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct W4 g64 asym", "prefill_tokens": args.prefill, "decoded_tokens": args.tokens,
         "threads": args.threads, "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
@@ -145,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{result['model']}: {args.prefill}-token prefill, {args.tokens} timed decode steps (after 1 warm-up), "
           f"{args.threads} threads, load average {result['load_average']} on {result['cpus']} CPUs")
-    print(f"{'backend':<34} {'prefill ms':>11} {'ms/token':>9} {'tok/s':>7} {'decode ×tf':>11} {'prefill ×tf':>12}")
+    print(f"{'backend':<34} {'prefill ms':>11} {'ms/token':>9} {'tok/s':>7} {'decode ×tf':>11} {'prefill ×tf':>12} "
+          f"{'same tokens':>12} {'max |Δlogit|':>13}")
     for row in rows:
         ratio = result.get("vs_transformers", {}).get(row["backend"], {})
         print(f"{row['backend']:<34} {row['prefill_ms']:>11} {row['ms_per_token']:>9} {row['tokens_per_s']:>7} "
-              f"{ratio.get('decode', '-'):>11} {ratio.get('prefill', '-'):>12}")
+              f"{ratio.get('decode', '-'):>11} {ratio.get('prefill', '-'):>12} {str(row['same_tokens']):>12} "
+              f"{row.get('logit_diff', '-'):>13}")
     return 0
 
 

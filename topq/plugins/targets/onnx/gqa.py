@@ -37,7 +37,6 @@ from topq.plugins.targets.onnx.conventions import ATTENTION_AUTO, ATTENTION_GQA,
 from topq.plugins.targets.onnx.lowering import FunctionLowering, GraphBuilder, Rule, fattention_standard
 
 
-
 def _history_concat(value: Value) -> tuple[Value, Value] | None:
     """(history argument, new keys) when `value` is `Concat(history, new, axis=1)` of a function argument."""
     op = value.owner
@@ -112,7 +111,9 @@ def fattention(lw: FunctionLowering, op: Operation) -> list[str]:
         total = g.constant(np.asarray(lq, np.int32), "total_sequence_length")
         inputs, outputs = [query, key, value, "", "", seqlens, total], 1
     else:
-        (history_k, new_k), (history_v, new_v) = _history_concat(op.operands[1]), _history_concat(op.operands[2])
+        k_parts, v_parts = _history_concat(op.operands[1]), _history_concat(op.operands[2])
+        assert k_parts is not None and v_parts is not None, "checked by unfit()"
+        (history_k, new_k), (history_v, new_v) = k_parts, v_parts
         filled = _filled_slots(g, lw.operand(op, 3), history_k.shape[1])
         keys = g.one("Add", [filled, g.ints([lq])])  # P + Lq
         seqlens = g.one("Cast", [g.one("Sub", [keys, g.ints([1])])], to=TensorProto.INT32)

@@ -19,6 +19,7 @@ the prompt's last position and every decode step): equal numerics is the conditi
     python -m benchmarks.onnx_decode                         # 512-token prefill, 32 decode steps, 2 threads
     python -m benchmarks.onnx_decode --tokens 8 --prefill 128 --json
     python -m benchmarks.onnx_decode --bundles out/           # reuse (or keep) the converted bundles in out/
+    python -m benchmarks.onnx_decode --seq-length 2048 --decode-chunks 1024   # decode on a half-filled history
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=32, help="decode steps to time (default 32)")
     p.add_argument("--repeats", type=int, default=2, help="prefill rounds; the fastest counts (default 2)")
     p.add_argument("--threads", type=int, default=2, help="threads of every backend (default 2)")
+    p.add_argument("--seq-length", type=int, help="stages.seq_length (default: prefill + tokens + 8, one decode "
+                   "function whose history the conversation nearly fills)")
+    p.add_argument("--decode-chunks", type=int, nargs="*", default=[],
+                   help="stages.decode_chunks: shorter decode variants (default none)")
     p.add_argument("--bundles", type=Path, help="directory for the converted bundles (reused when present)")
     p.add_argument("--skip", nargs="*", default=[], choices=BACKENDS[1:],
                    help="backends to leave out (the host interpreter's prefill is slow)")
@@ -56,18 +61,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def convert_bundle(directory: Path, chip: str, prefill: int, tokens: int, **target: Any) -> Path:
+def convert_bundle(directory: Path, chip: str, args: argparse.Namespace, **target: Any) -> Path:
     from benchmarks.host_decode import gguf_path
     from topq.core.pipeline import convert
     from topq.core.recipe import recipe_from_defaults
 
+    prefill, seq_length = args.prefill, args.seq_length or args.prefill + args.tokens + 8
     options = "".join(f"-{value}" for value in target.values())
-    output = directory / f"smollm2-w4g64-{chip}{options}-{prefill}.topq"
+    chunks = "".join(f"-{c}" for c in args.decode_chunks)
+    output = directory / f"smollm2-w4g64-{chip}{options}-{prefill}-{seq_length}{chunks}.topq"
     if not output.exists():
         recipe = recipe_from_defaults(
             model={"path": str(gguf_path())}, quant={"scheme": "w4bf16", "group_size": 64, "symmetric": False},
             target={"chip": chip, **target}, output={"path": str(output)},
-            stages={"seq_length": prefill + tokens + 8, "max_input_length": prefill, "decode_chunks": []})
+            stages={"seq_length": seq_length, "max_input_length": prefill, "decode_chunks": args.decode_chunks})
         convert(recipe, progress=False)
     return output
 
@@ -125,12 +132,18 @@ class LlamaCppBackend:
 
         from benchmarks.host_decode import gguf_path
 
+        self.llama_cpp = llama_cpp
         self.model = llama_cpp.Llama(str(gguf_path()), n_ctx=context, n_batch=context, n_threads=threads,
                                      n_threads_batch=threads, verbose=False)
         self.prefill([1, 2, 3, 4, 5, 6, 7, 8])  # untimed: first-call allocations
 
     def _last(self) -> Any:
-        return self.model.scores[self.model.n_tokens - 1].copy()
+        """The last position's logits (without logits_all, llama-cpp-python 0.3 no longer copies them to
+        `scores`; only the batch's last token computes logits, so the lm_head runs once per call as elsewhere)."""
+        import numpy as np
+
+        row = self.llama_cpp.llama_get_logits_ith(self.model.ctx, -1)
+        return np.ctypeslib.as_array(row, shape=(self.model.n_vocab(),)).copy()
 
     def prefill(self, prompt: list[int]) -> Any:
         self.model.reset()
@@ -205,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         backends: dict[str, Any] = {}
         prompt: list[int] = []
         for attention in ("gqa", "standard"):
-            bundle = Bundle(convert_bundle(directory, "onnx", args.prefill, args.tokens, attention=attention))
+            bundle = Bundle(convert_bundle(directory, "onnx", args, attention=attention))
             ids = bundle.tokenizer.encode(TEXT * (1 + args.prefill // 60))
             prompt = [int(t) for t in ids[:args.prefill]]
             assert len(prompt) == args.prefill, "the benchmark text is too short for --prefill"
@@ -213,13 +226,14 @@ def main(argv: list[str] | None = None) -> int:
                 backends[f"onnx {attention}, level {level}"] = TopqBackend(
                     bundle, OnnxExecutor(bundle, accuracy_level=level))
         if "host" not in args.skip:
-            host = Bundle(convert_bundle(directory, "host", args.prefill, args.tokens))
+            host = Bundle(convert_bundle(directory, "host", args))
             backends["topq host (numpy interpreter)"] = TopqBackend(host, open_executor(host))
         if "transformers" not in args.skip:
             backends["transformers eager f32"] = TransformersBackend()
         if "llama.cpp" not in args.skip:
             try:
-                backends["llama.cpp (GGUF Q4_1)"] = LlamaCppBackend(args.prefill + args.tokens + 8, args.threads)
+                backends["llama.cpp (GGUF Q4_1)"] = LlamaCppBackend(args.seq_length or args.prefill + args.tokens + 8,
+                                                                    args.threads)
             except ImportError:
                 notes.append("llama-cpp-python is not installed: no llama.cpp row")
         load_before = os.getloadavg()
@@ -229,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarize(name, run, first) for name, run in runs.items()]
     result: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct W4 g64 asym", "prefill_tokens": args.prefill, "decoded_tokens": args.tokens,
+        "seq_length": args.seq_length or args.prefill + args.tokens + 8, "decode_chunks": args.decode_chunks,
         "repeats": args.repeats, "threads": args.threads, "cpus": os.cpu_count(),
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
         "results": rows, "notes": notes,
@@ -244,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load = result["load_average"]
     print(f"{result['model']}: {args.prefill}-token prefill (fastest of {args.repeats}), median of {args.tokens} "
-          f"decode steps (after 1 warm-up), interleaved, {args.threads} threads, {result['cpus']} CPUs, "
+          f"decode steps (after 1 warm-up), seq_length {result['seq_length']}, decode_chunks {args.decode_chunks}, "
+          f"interleaved, {args.threads} threads, {result['cpus']} CPUs, "
           f"load average {load['before']} before, {load['after']} after")
     vs_tf = result.get("vs transformers eager f32", {})
     vs_llama = result.get("vs llama.cpp (GGUF Q4_1)", {})

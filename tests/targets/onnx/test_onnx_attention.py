@@ -1,7 +1,7 @@
 """`target.attention`: the onnx target's attention as GroupQueryAttention or as standard ops, on the tiny models.
 
-test_onnx_float.py runs the default (`auto`: GroupQueryAttention wherever it fits) through every scenario on five
-families; here each explicit mode runs one conversation that reaches every stage — a prompt of 2.5 ×
+test_onnx_float.py runs the default (`auto`: GroupQueryAttention in prefill, standard ops on a history) through
+every scenario on five families; here each mode runs one conversation that reaches every stage — a prompt of 2.5 ×
 max_input_length (prefill + two prefill_kv segments), decode steps, a second turn on the same KV cache
 (prefill_kv) and more decode steps — against the host bundle, on a plain model and on windowed ones whose
 6-token window every stage runs past. Plus the graphs each mode builds and what `gqa` refuses.
@@ -55,8 +55,9 @@ def graph_nodes(bundle: Bundle, function: str) -> list[onnx.NodeProto]:
     return list(onnx.load_from_string(bytes(bundle.tensor(entry["graph"]))).graph.node)
 
 
-@pytest.mark.parametrize("kind,attention", [("llama", "standard"), ("gemma2", "standard"), ("gemma2", "gqa"),
-                                            ("qwen2_window", "gqa")])
+@pytest.mark.parametrize("kind,attention", [
+    ("llama", "gqa"), ("qwen3", "gqa"), ("gemma2", "gqa"), ("qwen2_window", "gqa"),  # q/k norms; soft-cap + window
+    ("llama", "standard"), ("gemma2", "standard"), ("llama", "auto")])
 def test_every_stage_matches_host(tiny_host: TinyFactory, kind: str, attention: str) -> None:
     host = tiny_host(kind).bundle
     checkpoint = Path(host.recipe["model"]["path"])
@@ -73,15 +74,16 @@ def test_every_stage_matches_host(tiny_host: TinyFactory, kind: str, attention: 
         # the history (arg3, arg4) is only sliced to its filled rows, never concatenated with the new keys
         readers = {n.op_type for n in graph_nodes(bundle, "block_cache_0") if {"arg3", "arg4"} & set(n.input)}
         assert readers == {"Slice"}
-    else:
-        assert gqa_nodes == 0
+    else:  # standard ops everywhere, or (auto) GroupQueryAttention in prefill only
+        assert gqa_nodes == (2 if attention == "auto" else 0)
+        assert ("GroupQueryAttention" in {n.op_type for n in graph_nodes(bundle, "block_1")}) == (attention == "auto")
         assert "GroupQueryAttention" not in {n.op_type for n in graph_nodes(bundle, "block_kv_1")}
 
 
 def test_auto_uses_group_query_attention_where_it_fits_and_standard_ops_elsewhere(
         tmp_path: Path, tiny_host: TinyFactory, capsys: pytest.CaptureFixture[str]) -> None:
-    """Head size 12 (not a multiple of 8): `auto` keeps the standard ops and still equals the host; `gqa` is
-    refused before any graph is built, naming the function and the reason."""
+    """Head size 12 (not a multiple of 8): `auto` keeps the standard ops in prefill too and still equals
+    transformers; `gqa` is refused before any graph is built, naming the function and the reason."""
     model = build_tiny("llama", tmp_path / "hf", overrides={"head_dim": 12})
     auto = convert_onnx(tmp_path / "hf", tmp_path / "auto.topq", "auto")
     assert auto.meta["target_meta"]["gqa_nodes"] == 0 and auto.meta["target_meta"]["attention"] == "auto"

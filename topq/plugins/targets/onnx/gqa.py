@@ -125,12 +125,19 @@ def fattention(lw: FunctionLowering, op: Operation) -> list[str]:
 
 
 def rule(mode: str) -> Rule:
-    """The `top.FAttention` rule of a `target.attention` mode ('gqa' callers refuse unfit ops beforehand)."""
+    """The `top.FAttention` rule of a `target.attention` mode ('gqa' callers refuse unfit ops beforehand).
+
+    `auto` is what measured faster at equal numerics (benchmarks/onnx_decode.py, docs/onnx.md): GroupQueryAttention
+    in prefill (attention without a history), standard ops on a history (prefill_kv, decode), where its slice and
+    transpose of the history cost more than its fused kernel saves."""
     if mode == ATTENTION_STANDARD:
         return fattention_standard
-    assert mode in (ATTENTION_AUTO, ATTENTION_GQA), mode
+    if mode == ATTENTION_GQA:
+        return fattention
 
-    def choose(lw: FunctionLowering, op: Operation) -> list[str]:
-        return fattention(lw, op) if unfit(op) is None else fattention_standard(lw, op)
+    def auto(lw: FunctionLowering, op: Operation) -> list[str]:
+        prefill = len(op.operands) == 3
+        return fattention(lw, op) if prefill and unfit(op) is None else fattention_standard(lw, op)
 
-    return choose
+    assert mode == ATTENTION_AUTO, mode
+    return auto

@@ -17,10 +17,10 @@ The stage functions map onto it this way:
   from the stage's mask, the runtime's record of the filled slots: one past the last history slot the first
   query sees (with a sliding window the first slots are hidden too, never the last filled one).
 
-What it cannot express is refused by `unfit` (the `auto` mode then keeps the standard ops for that op): a mask
-other than the runtime's 0 / −inf key mask (biases), non-causal attention, a head size that is not a multiple of
-8 (the kernel's rule), a one-key window (the mask would show no filled slot), keys that do not come from this
-function's history + new keys.
+What it cannot express is named by `unfit` (`gqa` refuses it; `auto`, which uses GroupQueryAttention in prefill
+only (`rule`), keeps standard ops there): a mask other than the runtime's 0 / −inf key mask (biases), non-causal
+attention, a head size that is not a multiple of 8 (the kernel's rule), a one-key window (the mask would show no
+filled slot), keys that do not come from this function's history + new keys.
 
 The shared past/present buffer mode is not used: it needs the cache in BNSH in a buffer ORT writes in place
 (IO binding), while topq's Session holds the KV cache `[1, S, KVH, D]` and hands each function its history.

@@ -61,7 +61,8 @@ def test_defaults_filled(workdir: Path) -> None:
     assert (q.observer, q.percentile, q.smooth_alpha, q.dynamic_tokens, q.budget, q.table) == (
         "minmax", 99.99, None, False, None, None)
     assert q.calibration.to_dict() == {"data": None, "samples": 128, "seq_len": 512, "seed": 0}
-    assert r.target.to_dict() == {"chip": "host", "checker": False, "accuracy_level": 0}  # + the targets' options
+    assert r.target.to_dict() == {"chip": "host", "checker": False, "accuracy_level": 0,  # + the targets' options
+                                  "attention": "auto"}
     assert r.stages.to_dict() == {"seq_length": 2048, "max_input_length": 512, "prefill_kv": True,
                                   "decode_chunks": []}
     assert r.output.path == str(workdir / "out/model.topq")

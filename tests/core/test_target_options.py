@@ -37,7 +37,7 @@ def test_a_target_option_named_like_a_core_key_or_declared_twice_differently_is_
         build_plugins(extra=(target_plugin(other),))
     shared = build_plugins(extra=(target_plugin(Option("tiles", Field("int", 2, ge=1, help="tiles")), name="a"),
                                   target_plugin(Option("tiles", Field("int", 2, ge=1, help="tiles")), name="b")))
-    assert sorted(o.name for o in shared.target_options) == ["accuracy_level", "tiles"]
+    assert sorted(o.name for o in shared.target_options) == ["accuracy_level", "attention", "tiles"]
 
 
 def test_the_recipe_schema_and_topq_plugins_carry_them(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,4 +45,4 @@ def test_the_recipe_schema_and_topq_plugins_carry_them(capsys: pytest.CaptureFix
     assert fields["target.accuracy_level"] == Field("int", 0, help=fields["target.accuracy_level"].help, ge=0, le=4)
     assert cli.main(["plugins", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["target_options"]
-    assert [o["name"] for o in listed["onnx"]] == ["accuracy_level"] and listed["host"] == []
+    assert [o["name"] for o in listed["onnx"]] == ["accuracy_level", "attention"] and listed["host"] == []

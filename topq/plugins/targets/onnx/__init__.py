@@ -22,13 +22,20 @@ from topq.core.target import CompiledModel, CompileJob, Executor, Target
 from topq.io.schema import Field
 from topq.plugins.targets.onnx.conventions import (
     ACCURACY_LEVELS,
+    ATTENTION_MODES,
     DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_ATTENTION,
 )
 
 ACCURACY_LEVEL = Option("accuracy_level", Field(
     "int", DEFAULT_ACCURACY_LEVEL, ge=min(ACCURACY_LEVELS), le=max(ACCURACY_LEVELS),
     help="onnx: MatMulNBits accuracy_level, the smallest type its activations may be computed in "
          "(0: float32, as the scheme's values; 4: int8, faster, +0.4 % perplexity on SmolLM2 W4)"))
+
+ATTENTION = Option("attention", Field(
+    "str", DEFAULT_ATTENTION, choices=ATTENTION_MODES,
+    help="onnx: attention as com.microsoft.GroupQueryAttention (gqa: everywhere, refusing what it cannot "
+         "express), standard ONNX ops (standard), or GroupQueryAttention where it fits (auto; docs/onnx.md)"))
 
 
 def accuracy_level(job: CompileJob) -> int:
@@ -39,6 +46,14 @@ def accuracy_level(job: CompileJob) -> int:
     return int(value)
 
 
+def attention(job: CompileJob) -> str:
+    """The recipe's `target.attention` (checked by the schema)."""
+    value = (job.recipe.get("target") or {}).get("attention", DEFAULT_ATTENTION)
+    if value not in ATTENTION_MODES:  # a job built by hand, not from a recipe
+        raise TopqError(f"target.attention must be one of {', '.join(ATTENTION_MODES)}, got {value!r}")
+    return str(value)
+
+
 def compile_bundle(job: CompileJob) -> CompiledModel:
     try:
         import onnx  # noqa: F401
@@ -47,7 +62,7 @@ def compile_bundle(job: CompileJob) -> CompiledModel:
                         "pip install 'onnx>=1.17,<2'") from None
     from topq.plugins.targets.onnx.compiler import compile_onnx
 
-    return compile_onnx(job, accuracy_level(job))
+    return compile_onnx(job, accuracy_level(job), attention(job))
 
 
 def open_bundle(bundle: Bundle) -> Executor:
@@ -71,7 +86,9 @@ def report(bundle: Bundle) -> dict[str, Any]:
     text = (f"onnx: opset {meta.get('opset')} + com.microsoft, {len(functions)} graphs ({graph_bytes / 1e3:.1f} kB), "
             f"activations float32, float weights {meta.get('dtype')}, {meta.get('matmul_nbits', 0)} MatMulNBits "
             f"linears (accuracy_level {meta.get('accuracy_level')})")
-    return {"onnx": {k: meta.get(k) for k in ("opset", "dtype", "accuracy_level", "matmul_nbits")},
+    if meta.get("attention"):
+        text += f", attention {meta['attention']} ({meta.get('gqa_nodes', 0)} GroupQueryAttention)"
+    return {"onnx": {k: meta.get(k) for k in ("opset", "dtype", "accuracy_level", "matmul_nbits", "attention")},
             "text_sections": [text]}
 
 
@@ -93,7 +110,7 @@ TARGET = Target(
     open=open_bundle,
     report=report,
     refuses=refuses,
-    options=(ACCURACY_LEVEL,),
+    options=(ACCURACY_LEVEL, ATTENTION),
 )
 
 

@@ -19,13 +19,14 @@ from topq.core.target import CompiledModel, CompileJob
 from topq.ir.graph import Function
 from topq.ir.printer import print_module
 from topq.ir.types import TensorType
-from topq.plugins.targets.onnx import packing
-from topq.plugins.targets.onnx.conventions import PROGRAM_VERSION
+from topq.plugins.targets.onnx import gqa, packing
+from topq.plugins.targets.onnx.conventions import ATTENTION_GQA, DEFAULT_ATTENTION, PROGRAM_VERSION
 from topq.plugins.targets.onnx.lowering import (
     ONNX_TYPES,
     OPSET,
     FunctionLowering,
     LinearLowering,
+    Rule,
     StoredTensor,
     check_model,
 )
@@ -38,7 +39,19 @@ def graph_tensor_name(function: Function) -> str:
     return f"onnx.{function.name}" if layer is None else f"layers.{layer}.onnx.{function.name}"
 
 
-def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
+def attention_rules(job: CompileJob, mode: str) -> dict[str, Rule]:
+    """The `top.FAttention` rule of `target.attention`; `gqa` refuses, before any work, an attention it cannot
+    express (naming the function and why)."""
+    if mode == ATTENTION_GQA:
+        for function in job.module:
+            for op in function.walk():
+                if op.name == "top.FAttention" and (why := gqa.unfit(op)) is not None:
+                    raise TopqError(f"target.attention = gqa: @{function.name} has {why}; "
+                                    f"use target.attention: auto or standard")
+    return {"top.FAttention": gqa.rule(mode)}
+
+
+def compile_onnx(job: CompileJob, accuracy_level: int, attention: str = DEFAULT_ATTENTION) -> CompiledModel:
     dtype = job.product.compute_dtype
     if dtype not in FLOAT_DTYPES:
         raise TopqError(f"onnx target: compute dtype {dtype} is not one of {', '.join(FLOAT_DTYPES)}")
@@ -51,6 +64,7 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
     specs = {name: spec for name in sorted(job.linear_weights) if (spec := job.quant_spec(name)) is not None}
     for name, spec in specs.items():
         packing.check_spec(spec, name)
+    rules = attention_rules(job, attention)
 
     def stored(name: str) -> StoredTensor:
         # A quantized weight that is also read as a float table (a tied embedding under a quantized lm_head) is
@@ -65,9 +79,11 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
     sources: dict[str, str | None] = {}
     graphs: dict[str, bytes] = {}
     functions: dict[str, dict[str, Any]] = {}
+    gqa_nodes = 0
     for function in job.module:
-        model = FunctionLowering(function, stored, linear).run()
+        model = FunctionLowering(function, stored, linear, rules).run()
         check_model(model)
+        gqa_nodes += sum(node.op_type == "GroupQueryAttention" for node in model.graph.node)
         external = [t for t in model.graph.initializer if t.external_data]
         for tensor in external:
             base = packing.weight_of(tensor.name) if tensor.name not in weight_types else tensor.name
@@ -108,6 +124,8 @@ def compile_onnx(job: CompileJob, accuracy_level: int) -> CompiledModel:
         "opset": OPSET,
         "dtype": dtype,
         "accuracy_level": accuracy_level,
+        "attention": attention,
+        "gqa_nodes": gqa_nodes,
         "functions": functions,
         "matmul_nbits": len(specs),
     }

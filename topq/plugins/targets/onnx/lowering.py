@@ -13,7 +13,7 @@ to float32 in the graph (ORT folds the cast once, at session creation), so the n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,10 +134,11 @@ class FunctionLowering:
     lowering of a weight-quantized linear (None: a float linear)."""
 
     def __init__(self, function: Function, weights: Callable[[str], StoredTensor],
-                 linears: Callable[[str], LinearLowering | None]) -> None:
+                 linears: Callable[[str], LinearLowering | None], rules: Mapping[str, Rule] | None = None) -> None:
         self.function = function
         self.weights = weights
         self.linears = linears
+        self.rules = {**RULES, **(rules or {})}  # e.g. the target's choice of attention op (gqa.py)
         self.graph = GraphBuilder(function.name)
         self.names: dict[int, str] = {}
         self.weight_of: dict[int, str] = {}  # value id → weight name, for values made by top.Weight
@@ -160,7 +161,7 @@ class FunctionLowering:
             self.graph.node("Identity", [self.name(result)], [f"out{i}"])
             outputs.append(value_info(f"out{i}", result.type))
         g = self.graph
-        graph = helper.make_graph(g.nodes, f.name, inputs, outputs,
+        graph = helper.make_graph(_live(g.nodes, [o.name for o in outputs]), f.name, inputs, outputs,
                                   initializer=g.constants + [external_initializer(t) for t in g.external.values()])
         model = helper.make_model(graph, producer_name="topq", ir_version=IR_VERSION,
                                   opset_imports=[helper.make_opsetid("", OPSET),
@@ -168,10 +169,10 @@ class FunctionLowering:
         return model
 
     def lower(self, op: Operation) -> None:
-        rule = RULES.get(op.name)
+        rule = self.rules.get(op.name)
         if rule is None:
             raise TopqError(f"onnx target: @{self.function.name}: op {op.name} has no ONNX lowering "
-                            f"(it lowers: {', '.join(sorted(RULES))})")
+                            f"(it lowers: {', '.join(sorted(self.rules))})")
         outputs = rule(self, op)
         for value, name in zip(op.results, outputs):
             self.names[id(value)] = name
@@ -189,6 +190,17 @@ class FunctionLowering:
                 self.graph.external.setdefault(tensor.name, tensor)
             return lowering.emit(self.graph, x, wname)
         return self.graph.one("MatMul", [x, self.graph.transposed(self.name(weight))])
+
+
+def _live(nodes: list[onnx.NodeProto], outputs: Sequence[str]) -> list[onnx.NodeProto]:
+    """The nodes the outputs depend on, in order (a rule may leave some unread: GroupQueryAttention reads the
+    history and the new keys apart, not their Concat)."""
+    needed, kept = set(outputs), []
+    for node in reversed(nodes):
+        if needed.intersection(node.output):
+            kept.append(node)
+            needed.update(node.input)
+    return kept[::-1]
 
 
 def rank(value: Value) -> int:
@@ -329,7 +341,7 @@ def _rope(lw: FunctionLowering, op: Operation) -> list[str]:
     return [out]
 
 
-def _fattention(lw: FunctionLowering, op: Operation) -> list[str]:
+def fattention_standard(lw: FunctionLowering, op: Operation) -> list[str]:
     """Scaled dot-product attention with GQA, the optional additive mask and the bottom-right causal rule,
     grouped like the reference kernel: the g query heads of one kv head share one batched matmul."""
     g = lw.graph
@@ -445,7 +457,7 @@ RULES: dict[str, Rule] = {
     "top.Concat": _concat,
     "top.Slice": _slice,
     "top.Rope": _rope,
-    "top.FAttention": _fattention,
+    "top.FAttention": fattention_standard,
     "top.MLP": _mlp,
     "top.SiLU": _silu,
     "top.Tanh": _tanh,

@@ -26,7 +26,7 @@ from topq.core.errors import TopqError
 from topq.core.family import LayerState, ModelSpec
 from topq.core.stages import BlockContext, Stage
 from topq.ir.graph import Value
-from topq.models.blocks import linear, mlp, rms_norm, rope
+from topq.models.blocks import heads, linear, mlp, rms_norm, rope
 from topq.models.decoder import DecoderConfig, architecture_of, hf_field, read_config
 from topq.models.fields import refuse_unimplemented
 from topq.models.weightmap import AddScalar, WeightRule
@@ -168,10 +168,10 @@ def _last_dim_slice(ctx: BlockContext, x: Value, start: int, stop: int, loc: str
 
 def gated_attention(ctx: BlockContext, x: Value) -> Value:
     s, b = ctx.spec, ctx.b
-    heads, d, length = s.num_heads, s.head_dim, ctx.length
-    query_gate = b.top.Reshape(linear(ctx, x, "q_proj", 2 * heads * d), shape=[1, length, heads, 2 * d])
+    n_heads, d, length = s.num_heads, s.head_dim, ctx.length
+    query_gate = b.top.Reshape(linear(ctx, x, "q_proj", 2 * n_heads * d), shape=[1, length, n_heads, 2 * d])
     q = _last_dim_slice(ctx, query_gate, 0, d, "query")
-    gate = b.top.Reshape(_last_dim_slice(ctx, query_gate, d, 2 * d, "gate"), shape=[1, length, heads * d])
+    gate = b.top.Reshape(_last_dim_slice(ctx, query_gate, d, 2 * d, "gate"), shape=[1, length, n_heads * d])
     k = heads(ctx, linear(ctx, x, "k_proj", s.num_kv_heads * d), s.num_kv_heads)
     v = heads(ctx, linear(ctx, x, "v_proj", s.num_kv_heads * d), s.num_kv_heads)
     q, k = rms_norm(ctx, q, "q_norm"), rms_norm(ctx, k, "k_norm")

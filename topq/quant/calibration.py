@@ -11,7 +11,8 @@ one token stream read from `data`:
 
 The layer loop (`run_calibration`) keeps only one layer's activations: it embeds every window, then for each
 decoder layer and each of its quant groups (linears sharing an input, `ModelFamily.quant_groups`) it runs the
-layer on all windows — stopping as soon as that group's input has been seen — and accumulates what the solvers
+layer on all windows — stopping as soon as that group's input has been seen, and taking from the layer's earlier
+runs every value that no weight solved since changed (`topq.quant.reuse`) — and accumulates what the solvers
 need (`InputStats`: H = mean xᵀx and mean |x| per channel; every algorithm here measures the layer-output error
 ||X Wᵀ - X Ŵᵀ||² through H, exactly and over all tokens). Groups are solved in order ("true sequential"), so a
 group's inputs already come through the quantized groups before it; finally the whole layer runs once more with

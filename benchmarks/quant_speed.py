@@ -3,6 +3,7 @@ SmolLM2-135M, one table (method, tool, perplexity, seconds, peak RSS).
 
     cd /work/main && python -m benchmarks.quant_speed                                    # the issue's setting
     cd /work/main && python -m benchmarks.quant_speed --samples 4 --seq-len 256 --eval-windows 1 --iters 20
+    python -m benchmarks.quant_speed --rows gptq,awq --baseline /path/to/other/checkout   # before / after
 
 Setting (shared with benchmarks/quant_quality.py): calibration `--samples` × `--seq-len` tokens of
 00_EMMA.txt, perplexity on the first `--eval-windows` × `--window` tokens of 03_Persuasion.txt, 4-bit group 64
@@ -60,13 +61,14 @@ def convert_one(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_child(args: argparse.Namespace, key: str, out: Path) -> dict[str, Any]:
-    """Convert in a child process; its wall time and peak RSS (MiB)."""
+def run_child(args: argparse.Namespace, key: str, out: Path, root: Path = ROOT) -> dict[str, Any]:
+    """Convert in a child process running topq from the checkout `root`; its wall time and peak RSS (MiB)."""
     argv = [sys.executable, "-m", "benchmarks.quant_speed", "--one", key, "--out", str(out),
             *(f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
               if name in SETTING and value is not None)]
+    env = {**os.environ, "PYTHONPATH": str(root)}
     started = time.perf_counter()
-    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert child.stderr is not None
     err = child.stderr.read()
     _, status, usage = os.wait4(child.pid, 0)
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=200, help="AutoRound steps (default 200)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     p.add_argument("--out-dir", type=Path, help="keep bundles here (default: a temp dir)")
+    p.add_argument("--baseline", type=Path, help="also convert each row with the topq of this checkout (the "
+                   "reference run: same machine, same process, rows interleaved)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--one", choices=sorted(ROWS), help=argparse.SUPPRESS)  # child mode
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -117,16 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     ids: list[int] | None = None
+    runs = [("topq", ROOT)] + ([("topq baseline", args.baseline.resolve())] if args.baseline else [])
     for key in keys:
         method = ROWS[key][0] + (f" ({args.iters} steps)" if key == "autoround" else "")
-        out = out_dir / f"{key}.topq"
-        measured = run_child(args, key, out)
-        bundle = Bundle(out)
-        ids = ids or eval_ids(args, bundle)
-        ppl, _ = perplexity(bundle, ids, window=args.window)
-        rows.append({"method": method, "tool": "topq", "perplexity": round(ppl, 3), **measured})
-        print(f"{method:<40} topq  ppl {ppl:8.3f}  {measured['seconds']:8.1f} s  {measured['peak_rss_mib']:8.1f} MiB",
-              file=sys.stderr, flush=True)
+        for tool, root in runs:
+            out = out_dir / f"{key}-{tool.replace(' ', '-')}.topq"
+            measured = run_child(args, key, out, root)
+            bundle = Bundle(out)
+            ids = ids or eval_ids(args, bundle)
+            ppl, _ = perplexity(bundle, ids, window=args.window)
+            rows.append({"method": method, "tool": tool, "perplexity": round(ppl, 3), **measured})
+            print(f"{method:<40} {tool}  ppl {ppl:8.3f}  {measured['seconds']:8.1f} s  "
+                  f"{measured['peak_rss_mib']:8.1f} MiB", file=sys.stderr, flush=True)
         if key in PEERS:
             tool, module = PEERS[key]
             if importlib.util.find_spec(module) is None:

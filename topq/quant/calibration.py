@@ -11,7 +11,8 @@ one token stream read from `data`:
 
 The layer loop (`run_calibration`) keeps only one layer's activations: it embeds every window, then for each
 decoder layer and each of its quant groups (linears sharing an input, `ModelFamily.quant_groups`) it runs the
-layer on all windows — stopping as soon as that group's input has been seen — and accumulates what the solvers
+layer on all windows — stopping as soon as that group's input has been seen, and taking from the layer's earlier
+runs every value that no weight solved since changed (`topq.quant.reuse`) — and accumulates what the solvers
 need (`InputStats`: H = mean xᵀx and mean |x| per channel; every algorithm here measures the layer-output error
 ||X Wᵀ - X Ŵᵀ||² through H, exactly and over all tokens). Groups are solved in order ("true sequential"), so a
 group's inputs already come through the quantized groups before it; finally the whole layer runs once more with
@@ -49,11 +50,13 @@ from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
     output_error,
+    output_errors,
     quantize_groups,
     resolve_group_size,
 )
 from topq.quant.options import ACT_DTYPE, EXPERT_MIN_TOKENS, EXPERT_MIN_TOKENS_OPTION, WEIGHT_OPTIONS, act_dtype
 from topq.quant.program import ProgramSource, calibration_program, program_source
+from topq.quant.reuse import Cache, LayerValues
 from topq.quant.sites import INPUT, FoldTarget, group_sites
 
 if TYPE_CHECKING:
@@ -257,6 +260,7 @@ class LayerState:
         self._float_cache: dict[str, np.ndarray] = {}
         self._dequant_cache: dict[str, np.ndarray] = {}
         self.version = 0
+        self._written: dict[str, int] = {}  # name → `version` of its last write
 
     def float_weight(self, name: str) -> np.ndarray:
         """The float value of a tensor (rewritten if an algorithm rewrote it); callers must not modify it."""
@@ -297,6 +301,7 @@ class LayerState:
         self.result[name] = qw
         self._dequant_cache.pop(name, None)
         self.version += 1
+        self._written[name] = self.version
 
     def set_quantized_rows(self, names: Sequence[str], stacked: QuantizedWeight) -> None:
         """Split a QuantizedWeight solved for linears stacked along N back into one per linear."""
@@ -314,6 +319,11 @@ class LayerState:
     def set_float(self, name: str, array: np.ndarray) -> None:
         self.result.float_weights[name] = np.asarray(array, dtype=np.float32)
         self.version += 1
+        self._written[name] = self.version
+
+    def written_since(self, version: int) -> frozenset[str]:
+        """The tensors written after `version` (what a layer run that read the weights then must recompute)."""
+        return frozenset(name for name, v in self._written.items() if v > version)
 
     def scale_rows(self, name: str, factor: np.ndarray) -> None:
         """Multiply output row n of tensor `name` by factor[n] (a 1-D tensor: element n). A quantized linear
@@ -331,18 +341,19 @@ class LayerState:
 
     def record(self, names: Sequence[str], weights: Sequence[np.ndarray], effective: Sequence[np.ndarray],
                h: np.ndarray, bits: int, group_size: int | None, symmetric: bool) -> None:
-        """Log each linear's calibration output error next to plain RTN's (both through the same H)."""
-        for name, w, w_eff in zip(names, weights, effective):
-            rtn_error = float(output_error(w, quantize_groups(w, bits, group_size, symmetric).dequantize(), h).sum())
-            error = float(output_error(w, w_eff, h).sum())
-            # ||X Wᵀ||² over the same inputs: the errors below are relative Frobenius norms of the outputs
-            reference = float(output_error(w, np.zeros_like(w), h).sum())
+        """Log each linear's calibration output error next to plain RTN's (both through the same H), relative to
+        ||X Wᵀ||² over the same inputs (relative Frobenius norms of the outputs)."""
+        # every row of every linear's three products (its error, RTN's, the reference) through H in one GEMM
+        rows = [(w - w_eff, w - quantize_groups(w, bits, group_size, symmetric).dequantize(), w)
+                for w, w_eff in zip(weights, effective)]
+        sums = output_errors([part for parts in rows for part in parts], h)
+        for name, (error, rtn_error, reference) in zip(names, sums.reshape(len(rows), 3)):
 
-            def rel(e: float, reference: float = reference) -> float:
+            def rel(e: float, reference: float = float(reference)) -> float:
                 return float(np.sqrt(e / reference)) if reference > 0 else 0.0
 
             self.result.report.append({"name": name, "rtn_error": rel(rtn_error), "error": rel(error),
-                                       "ratio": error / rtn_error if rtn_error > 0 else 0.0})
+                                       "ratio": float(error / rtn_error) if rtn_error > 0 else 0.0})
 
     def end_layer(self) -> None:
         """Drop cached float copies of the finished layer (memory stays at one layer's weights)."""
@@ -425,6 +436,12 @@ class _CaptureInterpreter(Interpreter):
         self.plans_: list[_GroupPlan] = []
         self.stats: list[InputStats] = []
         self._at: Operation | None = None  # the op whose tap captures
+        # reuse of earlier runs' values (`reuse`); None: every op runs
+        self._values: LayerValues | None = None
+        self._cache: Cache = {}
+        self._execute: frozenset[int] = frozenset()
+        self._keep: frozenset[int] = frozenset()
+        self.kept: Cache = {}
 
     def load_weight(self, op: Operation) -> np.ndarray:
         array = self.state.current_weight(op.attrs["name"])
@@ -439,6 +456,26 @@ class _CaptureInterpreter(Interpreter):
         self.plans_, self.stats = list(plans), list(stats)
         self._at = _capture_point(self.plans_[0]) if self.plans_ else None
         self.tap = self._capture if self.plans_ else None
+
+    def reuse(self, values: LayerValues, cache: Cache, targets: frozenset[int], keep: frozenset[int]) -> None:
+        """The next run takes the results of the ops in `cache` from it, executes only the other ops that
+        `targets` need, and keeps (in `kept`) the results of the ops in `keep` for the run after it."""
+        self._values, self._cache, self._keep = values, cache, keep
+        self._execute = values.needed(cache, targets)
+        self.kept = {i: v for i, v in cache.items() if i in keep}
+
+    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        if self._values is None:
+            return super().run_op(step, inputs)
+        i = self._values.at(step.op)
+        outs = self._cache.get(i)
+        if outs is None:
+            if i not in self._execute:  # nothing this run wants depends on it
+                return [None] * len(step.results)  # type: ignore[list-item]
+            outs = super().run_op(step, inputs)
+            if i in self._keep:
+                self.kept[i] = outs
+        return outs
 
     def run(self, name: str, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         if self.state.version != self._version:  # weights changed: rebuild plans (they hold the weight arrays)
@@ -558,49 +595,67 @@ class _LayerStep:
     layer: int
     groups: tuple[int, ...] | None  # captured together (`_batches`); None: the layer output
     weights: dict[str, np.ndarray]  # every weight block_{layer} reads, as the model computes with it now
+    changed: frozenset[str] = frozenset()  # weights written since the layer's previous step
+    pending: frozenset[str] = frozenset()  # weights of the groups not solved yet (this step's included)
+    folds: frozenset[str] = frozenset()  # tensors those groups' solvers may fold a scale into
     hidden: np.ndarray | None = None  # every sample's layer input [samples, L, H] (executors that share memory)
+    caches: list[Cache] | None = None  # every sample's values kept from the layer's previous steps (likewise)
 
 
 _STEP: dict[str, Any] = {}  # this process's interpreter for the step it last ran
 
 
-def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, list[_GroupPlan] | None]:
+def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, list[_GroupPlan] | None, LayerValues]:
     if _STEP.get("token") != step.token:
         module, family, spec = calibration_program(step.source)
+        function = module[f"block_{step.layer}"]
         plans = None
         if step.groups is not None:
-            found = _find_groups(module[f"block_{step.layer}"], family, spec, step.layer)
+            found = _find_groups(function, family, spec, step.layer)
             plans = [found[g] for g in step.groups]
         _STEP.clear()
         _STEP.update(token=step.token, interp=_CaptureInterpreter(module, _FixedWeights(step.weights)),  # type: ignore[arg-type]
-                     plans=plans)
-    return _STEP["interp"], _STEP["plans"]
+                     plans=plans, values=LayerValues.of(function))
+    return _STEP["interp"], _STEP["plans"], _STEP["values"]
 
 
-def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None) -> list[Any]:
+def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None,
+                caches: list[Cache] | None) -> list[tuple[Any, Cache]]:
     """A calibration task: for samples start..stop, the inputs the step's groups see (a list of one array per
-    group), or the layer's output (an array), per sample. `rows` are those samples' layer inputs, unless the step
-    carries them all (`hidden`)."""
+    group), or the layer's output (an array), per sample, each with the values the next run of the layer can
+    reuse (`topq.quant.reuse`). `rows` / `caches` are those samples' layer inputs and values kept by the layer's
+    previous runs, unless the step carries them all (`hidden`, `caches`)."""
     step: _LayerStep = resolve(step_handle)
-    interp, plans = _step_runner(step)
+    interp, plans, values = _step_runner(step)
     hidden = rows if rows is not None else step.hidden[start:stop]  # type: ignore[index]
+    caches = caches if caches is not None else step.caches[start:stop]  # type: ignore[index]
     positions = np.arange(step.source.seq_len, dtype=np.int32)[None]
     name = f"block_{step.layer}"
     # a recurrent layer's prefill also takes `valid` (stages.py): every calibration token is real
     valid = [np.ones((1, step.source.seq_len), np.float32)] if len(interp.module[name].args) == 3 else []
     if plans is None:
-        return [interp.run(name, [h[None], positions, *valid])[0][0] for h in hidden]
+        out = []
+        for h, cache in zip(hidden, caches):
+            interp.reuse(values, values.still_valid(cache, step.changed), values.outputs, frozenset())
+            out.append((interp.run(name, [h[None], positions, *valid])[0][0], {}))
+        return out
     captured = [_Captured() for _ in plans]
     interp.capture(plans, captured)  # type: ignore[arg-type]
+    at = values.at(_capture_point(plans[0]))
+    targets = frozenset((at, *values.producers[at]))  # the tap reads the capture op's operands and results
+    keep = values.frontier(step.pending) | values.frontier(step.pending | step.folds)
+    kept = []
     try:
-        for h in hidden:
+        for h, cache in zip(hidden, caches):
+            interp.reuse(values, values.still_valid(cache, step.changed), targets, keep)
             try:
                 interp.run(name, [h[None], positions, *valid])
             except _StopLayer:
                 pass
+            kept.append(interp.kept)
     finally:
         interp.capture([], [])
-    return [[c.items[i] for c in captured] for i in range(len(hidden))]
+    return [([c.items[i] for c in captured], kept[i]) for i in range(len(hidden))]
 
 
 def _chunk_size(executor: TaskExecutor, samples: int) -> int:
@@ -611,18 +666,26 @@ def _chunk_size(executor: TaskExecutor, samples: int) -> int:
     return max(1, math.ceil(samples / (4 * max(1, int(executor.jobs)))))
 
 
-def _map_samples(executor: TaskExecutor, step: _LayerStep, hidden: np.ndarray, chunk: int) -> Iterator[np.ndarray]:
-    """Run `step` on every sample through `executor`; the per-sample results, in sample order."""
+def _map_samples(executor: TaskExecutor, step: _LayerStep, hidden: np.ndarray, caches: list[Cache],
+                 chunk: int) -> Iterator[Any]:
+    """Run `step` on every sample through `executor`; the per-sample results, in sample order. Each sample's
+    values for the layer's next run replace its entry of `caches`."""
     if executor.shares_memory:
-        step.hidden = hidden
+        step.hidden, step.caches = hidden, caches
     handle = executor.share(step)
     try:
         tasks = [(handle, a, min(a + chunk, len(hidden)),
-                  None if executor.shares_memory else np.ascontiguousarray(hidden[a:a + chunk]))
+                  None if executor.shares_memory else np.ascontiguousarray(hidden[a:a + chunk]),
+                  None if executor.shares_memory else caches[a:a + chunk])
                  for a in range(0, len(hidden), chunk)]
+        s = 0
         for result in executor.map(_layer_task, tasks):
-            yield from result
+            for out, kept in result:
+                caches[s] = kept
+                s += 1
+                yield out
     finally:
+        step.hidden = step.caches = None
         executor.release(handle)
 
 
@@ -661,16 +724,23 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     try:
         for layer, layer_plans in enumerate(plans):
             reads = _weights_read(module[f"block_{layer}"])
+            caches: list[Cache] = [{} for _ in range(samples)]  # per sample: values the next run reuses
+            read_at = [state.version]
 
-            def step(groups: tuple[int, ...] | None, layer: int = layer, reads: list[str] = reads) -> _LayerStep:
+            def step(groups: tuple[int, ...] | None, layer: int = layer, reads: list[str] = reads,
+                     layer_plans: list[_GroupPlan] = layer_plans, read_at: list[int] = read_at) -> _LayerStep:
+                rest = layer_plans[groups[0]:] if groups is not None else []
+                changed, read_at[0] = state.written_since(read_at[0]), state.version
                 return _LayerStep(uuid.uuid4().hex, source, layer, groups,
-                                  {n: state.current_weight(n) for n in reads})
+                                  {n: state.current_weight(n) for n in reads}, changed,
+                                  frozenset(n for p in rest for n in p.names),
+                                  frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n))
 
             for batch in _batches(layer_plans):
                 bar.set_postfix_str(f"layer {layer} {'/'.join(layer_plans[batch[0]].keys)}")
                 stats = [observe(layer_plans[g].k) for g in batch]
                 tokens = [0] * len(batch)
-                for xs in _map_samples(executor, step(batch), hidden, chunk):
+                for xs in _map_samples(executor, step(batch), hidden, caches, chunk):
                     for i, (st, x) in enumerate(zip(stats, xs)):
                         st.add(x)
                         tokens[i] += int(np.prod(np.shape(x)[:-1]))
@@ -683,8 +753,9 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                         _solve_expert(group, plan.expert, state, options, solve, expert_fallback)
                     bar.update()
             # the quantized layer's output is the next layer's input
-            for s, out in enumerate(_map_samples(executor, step(None), hidden, chunk)):
+            for s, out in enumerate(_map_samples(executor, step(None), hidden, caches, chunk)):
                 hidden[s] = out
+            del caches
             state.end_layer()
             bar.update()
     finally:

@@ -80,7 +80,9 @@ def awq_scale_search(w: np.ndarray, h: np.ndarray, x_abs_mean: np.ndarray, bits:
         s_fold = np.maximum(x ** ratio, 1e-4)
         s_fold = s_fold / np.sqrt(s_fold.max() * s_fold.min())  # keep the scaled weights' magnitude centred
         s = s_fold[tie] if tie is not None else s_fold
-        losses[i] = _errors(w, fake_quant(w * s, bits, gs, symmetric) / s, h32)
+        w_hat = fake_quant(w * s, bits, gs, symmetric)
+        w_hat /= s
+        losses[i] = _errors(w, w_hat, h32)
         if best is None or losses[i] < best[0]:
             best = (losses[i], s_fold, ratio)
     assert best is not None

@@ -112,7 +112,7 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
             q = quantize_values(W1[i], scale, zero, bits, symmetric)
             codes[col] = q
             err = ((W1[i] - (q - zero) * scale) / U1[i, i]).astype(np.float32)
-            W1[i:] -= np.outer(U1[i, i:], err)
+            W1[i:] -= U1[i, i:, None] * err  # the outer product, without np.outer's overhead
             err1[i] = err
         # Lazy batch update: the rest of the matrix sees this block's errors in one GEMM.
         Wt[i2:] -= U[i1:i2, i2:].T @ err1

@@ -1,0 +1,98 @@
+"""The calibration layer loop's products on this CPU: numpy (the reference path) next to torch f32 and bf16.
+
+    python -m benchmarks.calibration_kernels [--threads 1] [--repeats 10]
+
+Shapes are SmolLM2-135M's at a 512-token calibration window: the forwards' linears (x Wᵀ), the Hessian Gram sums
+(xᵀx), and the [N, K] · H products of the error report and AWQ's searches. Each row is the median of `--repeats`
+timed calls after one warm-up, all in this process, with the numpy / torch thread counts set to `--threads`.
+This decides whether a torch backend for calibration-time linear algebra pays here (issue 17): it would
+have to be faster than numpy's BLAS on these shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import operator
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+#: (what, M, K, N): an [M, K] · [K, N] product
+SHAPES = [
+    ("linear q/o (x Wᵀ)", 512, 576, 576),
+    ("linear gate/up", 512, 576, 1536),
+    ("linear down", 512, 1536, 576),
+    ("Gram xᵀx, K = 576", 576, 512, 576),
+    ("Gram xᵀx, K = 1536", 1536, 512, 1536),
+    ("report / AWQ: D H, gate/up", 3072, 576, 576),
+    ("report / AWQ: D H, down", 576, 1536, 1536),
+]
+
+
+def median_ms(product: Callable[[Any, Any], object], a: Any, b: Any, repeats: int) -> float:
+    product(a, b)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product(a, b)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def cpu_flags() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return " ".join(f for f in wanted if f" {f}" in flags) or "none of " + ", ".join(wanted)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args(argv)
+
+    import numpy as np
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    from topq.ir.threads import kernel_info
+
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    load_before = os.getloadavg()[0]
+    rows = []
+    with threadpool_limits(args.threads):
+        for what, m, k, n in SHAPES:
+            a = rng.standard_normal((m, k), dtype=np.float32)
+            b = rng.standard_normal((k, n), dtype=np.float32)
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            numpy_ms = median_ms(operator.matmul, a, b, args.repeats)
+            torch_ms = median_ms(operator.matmul, ta, tb, args.repeats)
+            bf16_ms = median_ms(operator.matmul, ta.bfloat16(), tb.bfloat16(), args.repeats)
+            rows.append((what, f"[{m}, {k}] · [{k}, {n}]", numpy_ms, torch_ms, bf16_ms))
+    for info in kernel_info():
+        print(f"kernel: {info['internal_api']} {info['version']} core type {info['architecture']} "
+              f"(OPENBLAS_CORETYPE={info['OPENBLAS_CORETYPE']}); torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads; CPU flags: {cpu_flags()}")
+    print(f"{args.threads} thread(s); load average before {load_before:.1f}, after {os.getloadavg()[0]:.1f}")
+    print(f"| {'product':<28} | {'shape':<26} | numpy f32 ms | torch f32 ms | torch bf16 ms | torch f32 / numpy |")
+    print(f"|{'-' * 30}|{'-' * 28}|-------------:|-------------:|--------------:|------------------:|")
+    for what, shape, numpy_ms, torch_ms, bf16_ms in rows:
+        print(f"| {what:<28} | {shape:<26} | {numpy_ms:12.2f} | {torch_ms:12.2f} | {bf16_ms:13.2f} | "
+              f"{torch_ms / numpy_ms:17.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""Which values of a decoder layer the layer loop's next run of that layer can take from its previous runs.
+
+The layer loop runs one layer several times per sample: up to each quant group's input (true-sequential: that
+input comes through the groups quantized before it), then whole for the layer's output. Between two runs only
+the weights just solved changed (and, for AWQ, the op a scale was folded into), so every value that depends on
+none of them is the same as in the run before. `LayerValues` knows, per op of the block function, the weights its
+results depend on (transitively); from that it tells
+
+* `frontier(pending)`: the ops whose results a later run will want while `pending` (the weights still to be
+  solved or folded in this layer) may change — results that depend on none of them, consumed by an op that
+  does (or a function result). Only these are kept, so memory stays at a few activations per sample;
+* `still_valid(cache, changed)`: the kept results that depend on none of the weights that did change (correctness
+  does not rest on `pending` being right: anything a write touched is dropped and recomputed);
+* `needed(cached, targets)`: the ops a run must execute to produce `targets` given the kept results.
+
+A run that reuses values computes bit-identical results: the same kernels on the same operands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from topq.ir.graph import Function, Operation
+
+#: kept results of one sample's runs of a layer: op position → the op's results
+Cache = dict[int, list[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class LayerValues:
+    """The dependency structure of one block function (its top-level ops but `top.Weight`, by position)."""
+
+    position: dict[int, int]  # id(op) → position
+    producers: tuple[tuple[int, ...], ...]  # per op: the positions of the ops producing its operands
+    consumers: tuple[tuple[int, ...], ...]
+    weights: tuple[frozenset[str], ...]  # per op: every weight its results depend on
+    outputs: frozenset[int]  # ops producing a function result
+
+    @classmethod
+    def of(cls, function: Function) -> LayerValues:
+        weight_of: dict[int, str] = {}  # id(value) → weight name, for top.Weight results
+        made_by: dict[int, int] = {}  # id(value) → producing op's position
+        position: dict[int, int] = {}
+        producers: list[tuple[int, ...]] = []
+        weights: list[frozenset[str]] = []
+        for op in function.ops:
+            if op.name == "top.Weight":
+                weight_of[id(op.results[0])] = str(op.attrs["name"])
+                continue
+            i = position[id(op)] = len(producers)
+            ops = tuple(dict.fromkeys(made_by[id(v)] for v in op.operands if id(v) in made_by))
+            producers.append(ops)
+            weights.append(frozenset(weight_of[id(v)] for v in op.operands if id(v) in weight_of).union(
+                *(weights[p] for p in ops)))
+            made_by.update((id(r), i) for r in op.results)
+        consumers: list[list[int]] = [[] for _ in producers]
+        for i, ops in enumerate(producers):
+            for p in ops:
+                consumers[p].append(i)
+        outputs = frozenset(made_by[id(v)] for v in function.results if id(v) in made_by)
+        return cls(position, tuple(producers), tuple(tuple(c) for c in consumers), tuple(weights), outputs)
+
+    def frontier(self, pending: Iterable[str]) -> frozenset[int]:
+        """Ops whose results depend on no `pending` weight but feed an op that does, or the function's results."""
+        pending = frozenset(pending)
+        final = [not (w & pending) for w in self.weights]
+        return frozenset(i for i, ok in enumerate(final)
+                         if ok and (i in self.outputs or any(not final[c] for c in self.consumers[i])))
+
+    def still_valid(self, cache: Mapping[int, list[np.ndarray]], changed: Iterable[str]) -> Cache:
+        changed = frozenset(changed)
+        return {i: v for i, v in cache.items() if not (self.weights[i] & changed)}
+
+    def needed(self, cached: Iterable[int], targets: Iterable[int]) -> frozenset[int]:
+        """The ops to execute so that every target's results are known, given the `cached` ones."""
+        cached = frozenset(cached)
+        run: set[int] = set()
+        todo = [t for t in targets if t not in cached]
+        while todo:
+            i = todo.pop()
+            if i in run:
+                continue
+            run.add(i)
+            todo.extend(p for p in self.producers[i] if p not in cached and p not in run)
+        return frozenset(run)
+
+    def at(self, op: Operation) -> int:
+        return self.position[id(op)]

@@ -155,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"error: unknown model {unknown[0]!r}; choose from {', '.join(CHECKPOINTS)}")
     if not args.tpu_mlir or not (Path(args.tpu_mlir).parent / "llm_convert.py").exists():
-        raise SystemExit(f"error: {args.tpu_mlir}: no llm_convert.py beside it")
+        raise SystemExit(f"error: --tpu-mlir {args.tpu_mlir or 'PYTHON'}: a venv python with llm_convert.py "
+                         "(TOPQ_TPU_MLIR_LLM_CONVERT=1 bash scripts/setup-tpu-mlir.sh VENV)")
     work_root = args.workdir or Path(tempfile.mkdtemp(prefix="topq-side-by-side-"))
     results: dict[str, dict[str, Measured]] = {}
     for model in models:

@@ -43,10 +43,12 @@ find_python310() {
   return 1
 }
 
-# TPU-MLIR's own LLM converter (llm_convert.py, for comparisons with it: benchmarks/llm_convert_gptq.py) imports
-# torch and transformers. PyPI has no CPU-only torch wheel for CPython 3.10: the default one is a CUDA build whose
-# nvidia-* libraries must come along (~3 GB download, the venv grows to ~4.7 GB), so this is opt-in. torch pulls in
-# a setuptools without pkg_resources, which tpu_mlir/__init__.py imports: hence the setuptools pin after it.
+# TPU-MLIR's own LLM converter (llm_convert.py: tests/targets/bm1684x/test_tpu_mlir_llm_convert.py,
+# benchmarks/llm_convert_gptq.py, benchmarks/tpumlir_side_by_side.py) imports torch and transformers and runs its
+# model_deploy.py jobs through GNU parallel. PyPI has no CPU-only torch wheel for CPython 3.10: the default one is
+# a CUDA build whose nvidia-* libraries come along (the venv grows from 1.3 GB to 6.0 GB; measured here, the whole
+# setup took 5.0 min with them and 4.9 min without: the downloads are mostly local). scripts/test.sh asks for it.
+# torch pulls in a setuptools without pkg_resources, which tpu_mlir/__init__.py imports: hence the setuptools pin.
 LLM_CONVERT="${TOPQ_TPU_MLIR_LLM_CONVERT:-0}"
 LLM_CONVERT_DEPS=("torch==2.13.0" "transformers==5.6.2")
 
@@ -55,7 +57,7 @@ check() {
   "$VENV/bin/model_deploy.py" --help >/dev/null 2>&1 \
     && "$VENV/bin/model_runner.py" --help >/dev/null 2>&1 \
     && { "$VENV/bin/model_tool" 2>&1 || true; } | grep -q -- "--combine" \
-    && { [ "$LLM_CONVERT" != 1 ] || "$VENV/bin/llm_convert.py" --help >/dev/null 2>&1; }
+    && { [ "$LLM_CONVERT" != 1 ] || { command -v parallel >/dev/null && "$VENV/bin/llm_convert.py" --help >/dev/null 2>&1; }; }
 }
 
 if [ -x "$VENV/bin/python" ] && check; then
@@ -74,6 +76,11 @@ if [ "$LLM_CONVERT" = 1 ]; then
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${LLM_CONVERT_DEPS[@]}"
   # a separate step: torch declares setuptools>=77, pip only warns about the downgrade this way
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "setuptools<70"
+  if ! command -v parallel >/dev/null && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq parallel; } >/dev/null \
+      || echo "warning: could not install GNU parallel with apt-get" >&2
+  fi
+  command -v parallel >/dev/null || { echo "error: GNU parallel not found; llm_convert.py needs it (Debian: apt-get install parallel)" >&2; exit 1; }
 fi
 
 # The wheel ships its own glibc pieces for old distributions; loaded next to Debian's newer glibc they crash

@@ -7,14 +7,12 @@ runs first, so CI covers this); about a second when it is already set up.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from test_tpu_mlir_export import STAGES, write_recipe
+from tpu_mlir_nets import OUTPUTS, TPU_MASK, L, S, block_inputs, cosine, tpu_mlir_installation, write_recipe
 
 from topq.core.bundle import Bundle
 from topq.core.cli import main
@@ -22,65 +20,12 @@ from topq.core.errors import TopqError
 from topq.core.pipeline import convert
 from topq.core.plugins import get_plugins
 from topq.core.recipe import load_recipe
-from topq.plugins.exporters.tpu_mlir.deploy import TpuMlir, find_tpu_mlir, run_bmodel, run_tool
-
-REPO = Path(__file__).resolve().parents[3]
-TPU_MASK = np.float32(-10000.0)  # what LLM-TPU's runtime writes into masked attention slots
-S, L, H, HISTORY = STAGES["seq_length"], STAGES["max_input_length"], 64, 20
+from topq.plugins.exporters.tpu_mlir.deploy import TpuMlir, run_bmodel, run_tool
 
 
 @pytest.fixture(scope="session")
 def tpu_mlir() -> TpuMlir:
-    python = os.environ.get("TOPQ_TPU_MLIR")
-    if not python:
-        done = subprocess.run(["bash", str(REPO / "scripts" / "setup-tpu-mlir.sh")], capture_output=True, text=True,
-                              check=False)
-        assert done.returncode == 0, done.stderr[-2000:]
-        python = done.stdout.strip().splitlines()[-1]
-    found = find_tpu_mlir(python)
-    assert found is not None
-    return found
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-Feeds = dict[str, dict[str, tuple[list[np.ndarray], dict[str, np.ndarray]]]]
-
-
-def block_inputs(kvh: int, d: int, seed: int = 0) -> Feeds:
-    """Per block net: (topq emulator inputs, TPU-MLIR inputs by name) for the same computation."""
-    rng = np.random.default_rng(seed)
-    hidden = rng.standard_normal((1, L, H)).astype(np.float32)
-    token = rng.standard_normal((1, 1, H)).astype(np.float32)
-    history = np.zeros((2, 1, S, kvh, d), np.float32)
-    history[:, :, :HISTORY] = rng.standard_normal((2, 1, HISTORY, kvh, d)).astype(np.float32)
-    hk, hv = history
-
-    causal = np.triu(np.full((L, L), TPU_MASK, np.float32), 1)[None, None]
-    pos = np.arange(L, dtype=np.int32)[None]
-    nets: dict[str, Any] = {"block_0": ([hidden, pos], {"input_states": hidden, "position_ids": pos,
-                                                          "attention_mask": causal})}
-    # prefill with history: topq takes a key mask [1,1,1,S+L], TPU-MLIR the full [1,1,L,S+L]
-    key_mask = np.zeros((1, 1, 1, S + L), np.float32)
-    key_mask[..., HISTORY:S] = -np.inf
-    full = np.zeros((1, 1, L, S + L), np.float32)
-    full[..., HISTORY:S] = TPU_MASK
-    full[..., S:] = causal
-    pos_kv = (HISTORY + np.arange(L, dtype=np.int32))[None]
-    nets["block_kv_0"] = ([hidden, pos_kv, key_mask, hk, hv],
-                          {"input_states": hidden, "position_ids": pos_kv, "attention_mask": full, "history_k": hk,
-                           "history_v": hv})
-    decode_mask = np.zeros((1, 1, 1, S + 1), np.float32)
-    decode_mask[..., HISTORY:S] = -np.inf
-    pos_1 = np.array([[HISTORY]], np.int32)
-    nets["block_cache_0"] = ([token, pos_1, decode_mask, hk, hv],
-                             {"input_states": token, "position_ids": pos_1,
-                              "attention_mask": np.where(np.isinf(decode_mask), TPU_MASK, decode_mask),
-                              "history_k": hk, "history_v": hv})
-    return nets
+    return tpu_mlir_installation()
 
 
 def export_and_compare(tpu: TpuMlir, root: Path, kind: str, scheme: str, threshold: float, route: str = "float",
@@ -111,7 +56,7 @@ def export_and_compare(tpu: TpuMlir, root: Path, kind: str, scheme: str, thresho
     for net, (topq_inputs, tpu_inputs) in block_inputs(config.num_key_value_heads, head_dim).items():
         expected = emulator.run(net, topq_inputs)
         got = run_bmodel(tpu, out / net / f"{net}.bmodel", tpu_inputs, out / net)
-        for name, want in zip(("output_states", "k_cache", "v_cache"), expected):
+        for name, want in zip(OUTPUTS, expected):
             assert got[name].shape == np.asarray(want).shape, (net, name)
             cosines[f"{net}.{name}"] = cosine(got[name], np.asarray(want, np.float32))
     worst = min(cosines, key=cosines.__getitem__)

@@ -10,11 +10,10 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-import yaml
+from tpu_mlir_nets import write_recipe
 
 from topq.core.cli import main
 from topq.core.errors import TopqError
@@ -23,18 +22,6 @@ from topq.ir.types import tensor
 from topq.plugins.exporters.tpu_mlir.translate import translate_function
 
 GOLDEN = Path(__file__).resolve().parents[2] / "data" / "tpu_mlir"
-STAGES: dict[str, Any] = {"seq_length": 64, "max_input_length": 16, "decode_chunks": [32], "prefill_kv": True}
-
-
-def write_recipe(directory: Path, checkpoint: Path, scheme: str = "bf16", chip: str = "bm1684x",
-                 quant: dict[str, Any] | None = None) -> Path:
-    recipe = {"model": {"path": str(checkpoint)}, "quant": {"scheme": scheme, **(quant or {})},
-              "target": {"chip": chip},
-              "stages": STAGES, "output": {"path": str(directory / f"{scheme}.topq")}}
-    path = directory / f"{scheme}.yaml"
-    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
-    return path
-
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

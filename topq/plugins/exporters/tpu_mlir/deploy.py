@@ -61,6 +61,8 @@ def run_tool(tpu: TpuMlir, tool: str, args: Sequence[str], cwd: Path, log_name: 
     command = [str(tpu.python), str(tpu.tool(tool)), *args] if tool.endswith(".py") else [str(tpu.tool(tool)), *args]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # topq's path must not shadow TPU-MLIR's own packages
+    # its tools call one another by name (llm_convert.py runs model_deploy.py through GNU parallel)
+    env["PATH"] = os.pathsep.join([str(tpu.python.parent), *filter(None, [env.get("PATH")])])
     with open(log, "w", encoding="utf-8") as out:
         code = subprocess.run(command, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env,
                               stdin=subprocess.DEVNULL, check=False).returncode

@@ -15,6 +15,7 @@ from topq.core.family import ModelFamily
 from topq.core.hookspecs import Register
 from topq.core.stages import BlockContext
 from topq.ir.graph import Value
+from topq.models.blocks import linear, rms_norm, self_attention
 from topq.raw import InOut, Input, exp, kernel, raw_call
 from topq_example_plugin import FAMILY
 
@@ -33,13 +34,13 @@ def swiglu(gate: Input["tensor<?x?x?xf32>"], up: Input["tensor<?x?x?xf32>"],
 def build_block(ctx: BlockContext) -> Value:
     """The example block, with the MLP spelled out: gate/up projections, the raw SwiGLU kernel, down."""
     s, b, x = ctx.spec, ctx.b, ctx.hidden
-    x = b.top.Add(x, ctx.self_attention(ctx.rms_norm(x, "input_layernorm")))
-    m = ctx.rms_norm(x, "post_attention_layernorm")
-    gate = ctx.linear(m, "gate_proj", s.intermediate_size)
-    up = ctx.linear(m, "up_proj", s.intermediate_size)
+    x = b.top.Add(x, self_attention(ctx, rms_norm(ctx, x, "input_layernorm")))
+    m = rms_norm(ctx, x, "post_attention_layernorm")
+    gate = linear(ctx, m, "gate_proj", s.intermediate_size)
+    up = linear(ctx, m, "up_proj", s.intermediate_size)
     # The output buffer starts as `gate` (any tensor of the right type would do: every element is written).
     act = raw_call(b, swiglu, outputs=[gate], inputs=[gate, up], loc="swiglu")
-    return b.top.Add(x, ctx.linear(act, "down_proj", s.hidden_size))
+    return b.top.Add(x, linear(ctx, act, "down_proj", s.hidden_size))
 
 
 FAMILY_RAW = dataclasses.replace(

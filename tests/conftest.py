@@ -38,6 +38,28 @@ from smol_model import SMOL_NAME, SMOL_RECIPE_PATH, load_smol_reference, smol_pa
 __all__ = ["AUSTEN", "SMOL_NAME", "SMOL_RECIPE_PATH", "SMOL_STAGES", "TESTS", "TINY_STAGES", "TinyCheckpoint",
            "TinyHost", "convert_host", "load_smol_reference", "smol_path"]
 
+@pytest.fixture(scope="module")
+def loaded_tiny(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Any:
+    """`loaded_tiny(kind, seq_len)`: a tiny model loaded as topq sees it (`load_model`), Top IR built at
+    max_input_length = seq_length = seq_len without prefill_kv, as the calibration layer loop runs it. One per
+    module: calibration tests may change a model's extra weights."""
+    from topq.core.pipeline import load_model
+    from topq.core.recipe import recipe_from_defaults
+
+    cache: dict[tuple[str, int], Any] = {}
+
+    def get(kind: str, seq_len: int) -> Any:
+        if (kind, seq_len) not in cache:
+            directory = tmp_path_factory.mktemp(f"loaded_{kind}")
+            tiny_checkpoint(kind, directory)
+            cache[kind, seq_len] = load_model(recipe_from_defaults(
+                model={"path": str(directory)},
+                stages={"seq_length": seq_len, "max_input_length": seq_len, "prefill_kv": False}))
+        return cache[kind, seq_len]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint() -> TinyCheckpoint:
     """`tiny_checkpoint(kind, directory)`: write the tiny model of `kind` (tests/helpers/tiny_models.py, seed 0,

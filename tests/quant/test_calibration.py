@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from host_bundles import TinyCheckpoint
+from data_paths import AUSTEN
 
 from topq.core.errors import TopqError
-from topq.core.pipeline import load_model
 from topq.core.recipe import recipe_from_defaults
 from topq.io.tokenizer import tokenizer_files_of
 from topq.ir.interpreter import Interpreter
@@ -149,25 +148,8 @@ def test_scheme_without_data(tmp_path: Path) -> None:
 SEQ = 16
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Any:
-    """`models(kind)`: a tiny model loaded as topq sees it, Top IR built at max_input_length = SEQ."""
-    cache: dict[str, Any] = {}
-
-    def get(kind: str) -> Any:
-        if kind not in cache:
-            directory = tmp_path_factory.mktemp(f"calib_{kind}")
-            tiny_checkpoint(kind, directory)
-            recipe = recipe_from_defaults(model={"path": str(directory)},
-                                          stages={"seq_length": SEQ, "max_input_length": SEQ, "prefill_kv": False})
-            cache[kind] = load_model(recipe)
-        return cache[kind]
-
-    return get
-
-
 def windows(samples: int = 3, seed: int = 0) -> np.ndarray:
-    text = Path("/work/shared/data/austen/00_EMMA.txt").read_bytes()[:4000]
+    text = (AUSTEN / "00_EMMA.txt").read_bytes()[:4000]
     return sample_windows(np.frombuffer(text, dtype=np.uint8).astype(np.int64), samples, SEQ, seed)
 
 
@@ -197,8 +179,8 @@ def rtn_solver(seen: dict[tuple[int, tuple[str, ...]], InputStats]) -> Any:
     return solve
 
 
-def test_groups_capture_the_right_inputs_and_see_quantized_layers(models: Any) -> None:
-    model = models("llama")
+def test_groups_capture_the_right_inputs_and_see_quantized_layers(loaded_tiny: Any) -> None:
+    model = loaded_tiny("llama", SEQ)
     ids = windows()
     seen: dict[tuple[int, tuple[str, ...]], InputStats] = {}
     result = run_calibration(model, ids, rtn_solver(seen), {"group_size": 32}, progress=False)
@@ -246,8 +228,8 @@ def test_groups_capture_the_right_inputs_and_see_quantized_layers(models: Any) -
     np.testing.assert_allclose(seen_down.hessian(), act.T @ act / len(act), rtol=1e-3, atol=1e-6)
 
 
-def test_fold_targets(models: Any) -> None:
-    model = models("llama")
+def test_fold_targets(loaded_tiny: Any) -> None:
+    model = loaded_tiny("llama", SEQ)
     folds: dict[tuple[str, ...], Any] = {}
 
     def solve(group: Any, state: LayerState, options: Any) -> None:
@@ -269,10 +251,10 @@ def test_fold_targets(models: Any) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_folded_scales_keep_the_float_function(models: Any, kind: str) -> None:
+def test_folded_scales_keep_the_float_function(loaded_tiny: Any, kind: str) -> None:
     """Scaling every group's weights by s and folding 1/s into the producers (AWQ's rewrite, without rounding)
     leaves the model's hidden states unchanged — norms, GQA-tied value rows, value biases and up_proj rows."""
-    model = models(kind)
+    model = loaded_tiny(kind, SEQ)
     rng = np.random.default_rng(0)
     folded = []
 
@@ -320,13 +302,13 @@ def test_scales_are_stored_in_the_compute_dtype() -> None:
     np.testing.assert_array_equal(scales, scales.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
-def test_awq_scheme_publishes_rewritten_norms(models: Any, tmp_path: Path) -> None:
+def test_awq_scheme_publishes_rewritten_norms(loaded_tiny: Any, tmp_path: Path) -> None:
     """The AWQ scheme's float rewrites reach `model.weight` (what every target compiles) once the pipeline's
     quantizer installs them, and its report shows each linear's output error next to RTN's."""
     from topq.core.pipeline import linear_weight_names, make_quantizer
     from topq.core.plugins import get_plugins
 
-    model = models("qwen2")
+    model = loaded_tiny("qwen2", SEQ)
     ids = tmp_path / "ids.ids"
     ids.write_text(" ".join(map(str, windows(4).reshape(-1))))
     recipe = recipe_from_defaults(model={"path": str(model.checkpoint.path)},

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
+from data_paths import AUSTEN
 from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
@@ -23,9 +24,6 @@ from topq.ir.int8 import (
 from topq.ir.reference_ops import REFERENCE_OPS
 from topq.plugins.quant.int8 import smooth_factors
 from topq.quant.observers import Observer, kl_threshold
-
-AUSTEN = Path("/work/shared/data/austen")
-
 
 # ------------------------------------------------------------------------------------------- observers
 

@@ -6,15 +6,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from host_bundles import TinyCheckpoint
+from data_paths import AUSTEN
 
-from topq.core.pipeline import load_model
-from topq.core.recipe import recipe_from_defaults
 from topq.ir.interpreter import Interpreter
 from topq.plugins.quant import awq, gptq
 from topq.quant.calibration import CalibrationResult, run_calibration, sample_windows, stacked_solver
@@ -28,24 +25,8 @@ OPTIONS = {"bits": 4, "group_size": 32, "symmetric": False, "act_order": True, "
 SOLVERS = {"gptq": stacked_solver(gptq.solve), "awq": awq.solve_group}  # AWQ folds scales into earlier ops
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint) -> Any:
-    cache: dict[str, Any] = {}
-
-    def get(kind: str) -> Any:
-        if kind not in cache:
-            directory = tmp_path_factory.mktemp(f"reuse_{kind}")
-            tiny_checkpoint(kind, directory)
-            cache[kind] = load_model(recipe_from_defaults(
-                model={"path": str(directory)}, stages={"seq_length": SEQ, "max_input_length": SEQ,
-                                                        "prefill_kv": False}))
-        return cache[kind]
-
-    return get
-
-
 def windows(vocab: int) -> np.ndarray:
-    text = Path("/work/shared/data/austen/00_EMMA.txt").read_bytes()[:4000]
+    text = (AUSTEN / "00_EMMA.txt").read_bytes()[:4000]
     return sample_windows(np.frombuffer(text, dtype=np.uint8).astype(np.int64) % vocab, SAMPLES, SEQ, 0)
 
 
@@ -85,14 +66,14 @@ def assert_same(a: CalibrationResult, b: CalibrationResult) -> None:
 
 @pytest.mark.parametrize("kind, scheme", [("llama", "gptq"), ("llama", "awq"), ("qwen2", "awq"),
                                           ("qwen3_moe", "gptq"), ("qwen3_5", "gptq")])
-def test_reused_values_give_the_results_of_rerunning_the_layer(models: Any, kind: str, scheme: str,
+def test_reused_values_give_the_results_of_rerunning_the_layer(loaded_tiny: Any, kind: str, scheme: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    model = models(kind)
+    model = loaded_tiny(kind, SEQ)
     assert_same(calibrate(model, scheme, True, monkeypatch), calibrate(model, scheme, False, monkeypatch))
 
 
-def test_each_op_of_a_layer_runs_once_per_sample(models: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    model = models("llama")
+def test_each_op_of_a_layer_runs_once_per_sample(loaded_tiny: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = loaded_tiny("llama", SEQ)
     module = calibration_program(program_source(model, SEQ), model.family, model.spec)[0]  # the one the loop runs
     blocks = [module[f"block_{i}"] for i in range(model.spec.num_layers)]
     attention = [id(op) for f in blocks for op in f.ops if op.name == "top.FAttention"]

@@ -5,12 +5,12 @@ Objective everywhere: the layer-output error ||X Wᵀ - X Ŵᵀ||² on calibrati
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from data_paths import AUSTEN
 from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
@@ -27,8 +27,6 @@ from topq.quant.grid import (
     resolve_group_size,
     rtn,
 )
-
-AUSTEN = Path("/work/shared/data/austen")
 
 
 def correlated_inputs(k: int, tokens: int, seed: int, outliers: int = 0) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from data_paths import AUSTEN
 
+from topq.ir import reference_ops
 from topq.ir.interpreter import Interpreter
 from topq.plugins.quant import awq, gptq
 from topq.quant.calibration import CalibrationResult, run_calibration, sample_windows, stacked_solver
@@ -31,20 +32,27 @@ def windows(vocab: int) -> np.ndarray:
 
 
 @contextmanager
-def executed_ops() -> Iterator[Counter[int]]:
-    """Counts how often each op is executed (by id), in any interpreter of this process."""
-    counts: Counter[int] = Counter()
-    original = Interpreter.run_op
+def executed_ops() -> Iterator[Counter[Any]]:
+    """Counts how often each op is executed (by id), in any interpreter of this process, and (key "mlp act") how
+    often a top.MLP's gate / up projections and activation are computed, by the op or by a capture."""
+    counts: Counter[Any] = Counter()
+    original, activation = Interpreter.run_op, reference_ops.mlp_activation
 
     def counting(self: Interpreter, step: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
         counts[id(step.op)] += 1
         return original(self, step, inputs)
 
+    def counting_activation(name: str, x: np.ndarray) -> np.ndarray:
+        counts["mlp act"] += 1
+        return activation(name, x)
+
     Interpreter.run_op = counting  # type: ignore[method-assign]
+    reference_ops.mlp_activation = counting_activation  # type: ignore[assignment]
     try:
         yield counts
     finally:
         Interpreter.run_op = original  # type: ignore[method-assign]
+        reference_ops.mlp_activation = activation  # type: ignore[assignment]
 
 
 def calibrate(model: Any, scheme: str, reuse: bool, monkeypatch: pytest.MonkeyPatch) -> CalibrationResult:
@@ -87,6 +95,8 @@ def test_each_op_of_a_layer_runs_once_per_sample(loaded_tiny: Any, monkeypatch: 
     assert [reused[a] for a in attention] == [SAMPLES] * len(attention)
     assert max(reused[i] for i in layer_ops) == SAMPLES
     assert sum(reused[i] for i in layer_ops) < sum(rerun[i] for i in layer_ops) / 2
+    # the MLP's act, computed for the down projection's capture, serves the layer output too: gate / up run once
+    assert reused["mlp act"] == SAMPLES * len(blocks) and rerun["mlp act"] == 2 * SAMPLES * len(blocks)
 
 
 def test_batched_report_products_match_the_float64_reference() -> None:

@@ -206,6 +206,12 @@ def mlp_hidden(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray,
     return gate, up, mlp_activation(act, gate) * up
 
 
+def mlp_down(hidden_act: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """`top.MLP`'s down projection of `mlp_hidden`'s act [tokens, I]: the op's result, flattened to [tokens, H]
+    (the calibration loop reuses an act it captured and runs only this)."""
+    return _linear(hidden_act, _f32(w_down), True)
+
+
 # --------------------------------------------------------------------------- RoPE
 
 
@@ -508,9 +514,8 @@ def _mlp(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarray]:
             f"{op}: want w_gate/w_up [I, {hidden}] and w_down [{hidden}, I]; "
             f"got {wg.shape}, {wu.shape}, {wd.shape}"
         )
-    act = mlp_activation(str(attrs.get("act", "silu")), _linear(x, wg, True))
-    act *= _linear(x, wu, True)
-    return [_linear(act, wd, True)]
+    hidden_act = mlp_hidden(x, wg, wu, str(attrs.get("act", "silu")))[2]
+    return [mlp_down(hidden_act, wd).reshape(x.shape)]
 
 
 def moe_routing(x2: np.ndarray, router: np.ndarray, top_k: int, scoring: str = "softmax",

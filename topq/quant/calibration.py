@@ -45,7 +45,7 @@ from topq.core.stages import rope_weights
 from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.graph import Function, Operation, Value
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.reference_ops import mlp_hidden, moe_expert_tokens, moe_routing
+from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden, moe_expert_tokens, moe_routing
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
@@ -56,7 +56,7 @@ from topq.quant.grid import (
 )
 from topq.quant.options import ACT_DTYPE, EXPERT_MIN_TOKENS, EXPERT_MIN_TOKENS_OPTION, WEIGHT_OPTIONS, act_dtype
 from topq.quant.program import ProgramSource, calibration_program, program_source
-from topq.quant.reuse import Cache, LayerValues
+from topq.quant.reuse import Cache, LayerValues, inner_key
 from topq.quant.sites import INPUT, FoldTarget, group_sites
 
 if TYPE_CHECKING:
@@ -472,7 +472,11 @@ class _CaptureInterpreter(Interpreter):
         if outs is None:
             if i not in self._execute:  # nothing this run wants depends on it
                 return [None] * len(step.results)  # type: ignore[list-item]
-            outs = super().run_op(step, inputs)
+            act = self._cache.get(inner_key(i))
+            if act is not None and step.kernel is REFERENCE_OPS["top.MLP"]:  # the kernel made of these two parts
+                outs = [mlp_down(act[0], inputs[3]).reshape(inputs[0].shape)]
+            else:
+                outs = super().run_op(step, inputs)
             if i in self._keep:
                 self.kept[i] = outs
         return outs
@@ -512,7 +516,11 @@ class _CaptureInterpreter(Interpreter):
             else:  # the weights are the plan's constants: the arrays the MLP would read
                 x = outputs[op.operands[x_at].index]
                 w_gate, w_up = (self.load_weight(_owner(op.operands[i])) for i in (gate_at, up_at))
-            stats.add(mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2])
+            act = mlp_hidden(x, w_gate, w_up, str(op.attrs.get("act", "silu")))[2]
+            stats.add(act)
+            key = inner_key(self._values.at(op)) if self._values is not None else None
+            if key in self._keep and act.dtype == np.float32 and w_gate.dtype == w_up.dtype == np.float32:
+                self.kept[key] = [act]  # the op's own kernel would compute exactly this act (float32 operands)
 
 
 def _routing(op: Operation, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

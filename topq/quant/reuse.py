@@ -13,6 +13,11 @@ results depend on (transitively); from that it tells
   does not rest on `pending` being right: anything a write touched is dropped and recomputed);
 * `needed(cached, targets)`: the ops a run must execute to produce `targets` given the kept results.
 
+A fused `top.MLP` has one more reusable value inside it: its down projection's input act(x W_gᵀ)·(x W_uᵀ), which
+the down projection's capture computes anyway (`mlp_hidden`). It is kept under the key `inner_key(i)` of the op's
+position `i` and depends on the op's weights but the down projection, so the layer's output run computes only
+`x_act W_dᵀ` (`mlp_down`) instead of the whole MLP again.
+
 A run that reuses values computes bit-identical results: the same kernels on the same operands.
 """
 
@@ -25,8 +30,14 @@ import numpy as np
 
 from topq.ir.graph import Function, Operation
 
-#: kept results of one sample's runs of a layer: op position → the op's results
+#: kept results of one sample's runs of a layer: op position → the op's results (`inner_key(position)` → the
+#: op's inner value, one array)
 Cache = dict[int, list[np.ndarray]]
+
+
+def inner_key(position: int) -> int:
+    """The cache key of the inner value of the op at `position` (negative: never an op position)."""
+    return -1 - position
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,7 @@ class LayerValues:
     consumers: tuple[tuple[int, ...], ...]
     weights: tuple[frozenset[str], ...]  # per op: every weight its results depend on
     outputs: frozenset[int]  # ops producing a function result
+    inner: dict[int, frozenset[str]]  # top.MLP position → every weight its inner value (mlp_hidden's act) depends on
 
     @classmethod
     def of(cls, function: Function) -> LayerValues:
@@ -46,6 +58,7 @@ class LayerValues:
         position: dict[int, int] = {}
         producers: list[tuple[int, ...]] = []
         weights: list[frozenset[str]] = []
+        inner: dict[int, frozenset[str]] = {}
         for op in function.ops:
             if op.name == "top.Weight":
                 weight_of[id(op.results[0])] = str(op.attrs["name"])
@@ -56,27 +69,35 @@ class LayerValues:
             weights.append(frozenset(weight_of[id(v)] for v in op.operands if id(v) in weight_of).union(
                 *(weights[p] for p in ops)))
             made_by.update((id(r), i) for r in op.results)
+            if op.name == "top.MLP" and id(op.operands[3]) in weight_of:  # all but w_down (operand 3)
+                inner[i] = weights[i] - {weight_of[id(op.operands[3])]}
         consumers: list[list[int]] = [[] for _ in producers]
         for i, ops in enumerate(producers):
             for p in ops:
                 consumers[p].append(i)
         outputs = frozenset(made_by[id(v)] for v in function.results if id(v) in made_by)
-        return cls(position, tuple(producers), tuple(tuple(c) for c in consumers), tuple(weights), outputs)
+        return cls(position, tuple(producers), tuple(tuple(c) for c in consumers), tuple(weights), outputs, inner)
 
     def frontier(self, pending: Iterable[str]) -> frozenset[int]:
-        """Ops whose results depend on no `pending` weight but feed an op that does, or the function's results."""
+        """Ops whose results depend on no `pending` weight but feed an op that does, or the function's results;
+        and the inner values that depend on no `pending` weight inside an op whose result does."""
         pending = frozenset(pending)
         final = [not (w & pending) for w in self.weights]
         return frozenset(i for i, ok in enumerate(final)
-                         if ok and (i in self.outputs or any(not final[c] for c in self.consumers[i])))
+                         if ok and (i in self.outputs or any(not final[c] for c in self.consumers[i]))) | \
+            frozenset(inner_key(i) for i, w in self.inner.items() if not final[i] and not (w & pending))
+
+    def depends_on(self, key: int) -> frozenset[str]:
+        """The weights a cached value (an op's results, or an inner value) depends on."""
+        return self.weights[key] if key >= 0 else self.inner[inner_key(key)]
 
     def still_valid(self, cache: Mapping[int, list[np.ndarray]], changed: Iterable[str]) -> Cache:
         changed = frozenset(changed)
-        return {i: v for i, v in cache.items() if not (self.weights[i] & changed)}
+        return {i: v for i, v in cache.items() if not (self.depends_on(i) & changed)}
 
     def needed(self, cached: Iterable[int], targets: Iterable[int]) -> frozenset[int]:
         """The ops to execute so that every target's results are known, given the `cached` ones."""
-        cached = frozenset(cached)
+        cached = frozenset(i for i in cached if i >= 0)
         run: set[int] = set()
         todo = [t for t in targets if t not in cached]
         while todo:

@@ -1,13 +1,13 @@
 """The cube's matmul rate per core as TPU-MLIR's own cycle model times it, next to topq's chip specs.
 
-    python -m benchmarks.cube_rate [--tpu-mlir PYTHON] [--shape M,K,N ...] [--json]
+    python -m benchmarks.cube_rate [--tpu-mlir PYTHON] [--shape M,K,N ...] [--mode BF16 ...] [--json]
 
 Each row compiles one `[1, M, K] x [K, N]` `top.MatMul` with `model_deploy.py --debug` for a chip, a core count
-and a quantize mode, and reads the TIU cycles of its matrix-multiply instructions (MM2; MM or CONV for f32) from the compiler's
-profile (`compiler_profile_0.txt`, core 0). MACs per cycle and core = M·K·N / cores / those cycles; `spec.py`'s
-is `peak_ops[dtype] / (2 × clock_hz)`, the rate the perf model assumes (it applies `cube_eff` on top). The
-total is the compiler's whole-net estimate (TIU and GDMA overlapped). TPU-MLIR comes from `--tpu-mlir` or
-$TOPQ_TPU_MLIR (scripts/setup-tpu-mlir.sh makes one); about 4 s per row.
+and a quantize mode, and reads the TIU cycles of its matrix-multiply instructions (MM2; MM or CONV for f32)
+from the compiler's profile (`compiler_profile_0.txt`, core 0). MACs per cycle and core = M·K·N / cores / those
+cycles; `spec.py`'s is `peak_ops[dtype] / (2 × clock_hz)`, the rate the perf model assumes (it applies
+`cube_eff` on top). The total is the compiler's whole-net estimate (TIU and GDMA overlapped). TPU-MLIR comes
+from `--tpu-mlir` or $TOPQ_TPU_MLIR (scripts/setup-tpu-mlir.sh makes one); about 4 s per row.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def measure(tpu: TpuMlir, chip: str, cores: int, quantize: str, dtype: str, shap
 def format_table(rows: list[dict[str, Any]]) -> str:
     out = ["Matmul rate per core: TPU-MLIR's cycle model (model_deploy.py --debug, matmul instructions of core 0) "
            "vs topq's spec.py", "",
-           f"{'chip':<9}{'cores':>6}{'mode':>8}{'M x K x N':>20}{'MM2 cycles':>12}{'MAC/cycle':>11}"
+           f"{'chip':<9}{'cores':>6}{'mode':>8}{'M x K x N':>20}{'MM cycles':>12}{'MAC/cycle':>11}"
            f"{'spec.py':>9}{'total ms':>10}{'TFLOPS':>8}"]
     for r in rows:
         rate = f"{r['macs_per_cycle']:.0f}" if r["macs_per_cycle"] else "-"
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tpu-mlir", help="the TPU-MLIR venv's python (default $TOPQ_TPU_MLIR)")
     parser.add_argument("--shape", action="append", type=parse_shape, help="M,K,N (repeatable)")
+    parser.add_argument("--mode", action="append", choices=sorted({c[2] for c in CASES}),
+                        help="only the rows of this quantize mode (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     tpu = find_tpu_mlir(args.tpu_mlir)
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("TPU-MLIR not found: pass --tpu-mlir PYTHON or set TOPQ_TPU_MLIR (scripts/setup-tpu-mlir.sh)")
     with tempfile.TemporaryDirectory(prefix="cube_rate_") as work:
         rows = [measure(tpu, chip, cores, quantize, dtype, shape, Path(work))
-                for shape in (args.shape or DEFAULT_SHAPES) for chip, cores, quantize, dtype in CASES]
+                for shape in (args.shape or DEFAULT_SHAPES) for chip, cores, quantize, dtype in CASES
+                if not args.mode or quantize in args.mode]
     print(json.dumps({"rows": rows}) if args.json else format_table(rows))
     return 0
 

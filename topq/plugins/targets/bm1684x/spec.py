@@ -50,7 +50,7 @@ BM1688 = ChipSpec(
     local_mem_banks=16,
     eu_bytes=16,
     # Per core: MACs per TIU cycle x 2 ops x 0.9 GHz, as TPU-MLIR's BM1688 cycle model times a matmul (one
-    # `tpu.MatMul` compiled with `model_deploy.py --chip bm1688 --num_core 2 --debug`, its MM2 instructions in
+    # `top.MatMul` compiled with `model_deploy.py --chip bm1688 --num_core 2 --debug`, its MM2 instructions in
     # compiler_profile_0.txt; `python -m benchmarks.cube_rate` reproduces it): int8 4096 MACs/cycle (32 lanes x
     # 32 IC x 4 OHOW), bf16/f16 1024 (a quarter of int8, not the half that the IC parallelism suggests), f32 128.
     # The same tool gives BM1684X 8192 bf16 MACs/cycle, i.e. its published 16.4 TFLOPS at 1 GHz.

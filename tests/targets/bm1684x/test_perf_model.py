@@ -66,17 +66,34 @@ MEASURED = [  # BM1684X, batch 1, public numbers (docs/perf.md)
 
 
 @pytest.mark.parametrize("name, seq, tps, ftl", MEASURED)
-def test_bm1684x_predictions_within_15_percent(name: str, seq: int, tps: float, ftl: float) -> None:
+def test_bm1684x_predictions_within_11_percent(name: str, seq: int, tps: float, ftl: float) -> None:
     p = w4(name, seq)
-    assert p["decode_tps"] == pytest.approx(tps, rel=0.15)
-    assert p["ftl_s"] == pytest.approx(ftl, rel=0.15)
+    assert p["decode_tps"] == pytest.approx(tps, rel=0.11)
+    assert p["ftl_s"] == pytest.approx(ftl, rel=0.11)
 
 
-@pytest.mark.parametrize("name, seq, tps", [("qwen2.5-1.5b", 1024, 20.17), ("qwen3-4b", 512, 7.98)])
-def test_bm1688_decode_from_its_spec_within_15_percent(name: str, seq: int, tps: float) -> None:
-    """Public BM1688 measurements (docs/perf.md), not fitted: the chip's constants come from its spec and the
-    calibration is the BM1684X one."""
-    assert w4(name, seq, BM1688)["decode_tps"] == pytest.approx(tps, rel=0.15)
+@pytest.mark.parametrize("name, seq, tps, ftl", [("qwen2.5-1.5b", 1024, 20.17, 1.283), ("qwen3-4b", 512, 7.98, 1.656)])
+def test_bm1688_predictions_from_its_spec(name: str, seq: int, tps: float, ftl: float) -> None:
+    """Public BM1688 measurements (docs/perf.md), not fitted: the chip's constants come from its spec and TPU-MLIR's
+    cycle model, the calibration is the BM1684X one. Reached: decode +4.6 / +9.3 %, first token +5.6 / +11.3 %."""
+    p = w4(name, seq, BM1688)
+    assert p["decode_tps"] == pytest.approx(tps, rel=0.10)
+    assert p["ftl_s"] == pytest.approx(ftl, rel=0.12)
+
+
+def test_bm1688_prefill_runs_at_its_16_bit_cube_rate() -> None:
+    """TPU-MLIR's cycle model (benchmarks/cube_rate.py): BM1688 multiplies 1024 bf16 MACs per cycle and core, a
+    quarter of its 4096 int8 ones (BM1684X: half); a prefill block's linears are bound by that rate, not by DMA."""
+    assert BM1688.peak_ops["bf16"] == pytest.approx(2 * 1024 * BM1688.clock_hz)
+    assert BM1688.peak_ops["int8"] / BM1688.peak_ops["bf16"] == pytest.approx(4)
+    assert BM1684X.peak_ops["int8"] / BM1684X.peak_ops["bf16"] == pytest.approx(2)
+    m = build_program(spec("qwen3-4b"), get_plugins().families.get("qwen3"), StageConfig(512, 512, False))
+    rows = [r for r in estimate_function(m["block_0"], BM1688, "w4bf16").rows if r.name in ("MatMul", "MLP")]
+    assert len(rows) == 5  # q, k, v, o and the MLP
+    for r in rows:
+        cube_s = r.flops / BM1688.cores / (BM1688.peak_ops["bf16"] * CALIBRATION.cube_eff)
+        assert r.compute_s == pytest.approx(cube_s, rel=0.05)  # + the W4 dequantisation on the EU
+        assert r.compute_s > 3 * r.dma_s
 
 
 def test_bm1688_cores_share_one_ddr_interface() -> None:

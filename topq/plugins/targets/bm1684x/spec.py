@@ -49,10 +49,12 @@ BM1688 = ChipSpec(
     local_mem_per_lane=128 * KiB,
     local_mem_banks=16,
     eu_bytes=16,
-    # Per core, from the cube's width at the TIU clock, as for BM1684X (64 lanes x 64 IC x 4 OHOW int8 MACs per
-    # cycle = 32.8 TOPS at 1 GHz): 32 lanes x 32 IC x 4 OHOW int8 MACs x 2 ops x 0.9 GHz = 7.37 TOPS, 16-bit at
-    # half the IC parallelism, f32 at 1/16 (the BM1684X ratio).
-    peak_ops={"bf16": 3.69e12, "f16": 3.69e12, "int8": 7.37e12, "f32": 0.46e12},
+    # Per core: MACs per TIU cycle x 2 ops x 0.9 GHz, as TPU-MLIR's BM1688 cycle model times a matmul (one
+    # `top.MatMul` compiled with `model_deploy.py --chip bm1688 --num_core 2 --debug`, its MM2 instructions in
+    # compiler_profile_0.txt; `python -m benchmarks.cube_rate` reproduces it): int8 4096 MACs/cycle (32 lanes x
+    # 32 IC x 4 OHOW), bf16/f16 1024 (a quarter of int8, not the half that the IC parallelism suggests), f32 128.
+    # The same tool gives BM1684X 8192 bf16 MACs/cycle, i.e. its published 16.4 TFLOPS at 1 GHz.
+    peak_ops={"bf16": 2 * 1024 * 0.9e9, "f16": 2 * 1024 * 0.9e9, "int8": 2 * 4096 * 0.9e9, "f32": 2 * 128 * 0.9e9},
     ddr_bandwidth=4266e6 * 8,  # one 64-bit LPDDR4X interface at 4266 MT/s for both cores: 34.1 GB/s
     clock_hz=0.9e9,
     dma_align=512,
@@ -65,6 +67,9 @@ BM1688 = ChipSpec(
                   "DDR 4266 MHz, DDR max 32 GB/s per core, TIU 900 MHz, GDMA 750 MHz) and python/utils/tpu_info.py "
                   "(ic_parallel 32, eu_bytes 16, 128 KiB local memory per lane)",
         "ddr_bandwidth": "the two cores share one DDR interface; each core's DMA alone reaches 32 GB/s",
+        "peak_ops": "TPU-MLIR 1.30's BM1688 cycle model (libbackend_bm1688.so, model_deploy.py --debug -> "
+                    "compiler_profile_0.txt): MM2 at 4096 int8 / 1024 bf16 and f16 / 128 f32 MACs per cycle "
+                    "and core, the TIU at 900 MHz (benchmarks/cube_rate.py)",
     },
 )
 

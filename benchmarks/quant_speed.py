@@ -57,18 +57,23 @@ def convert_one(args: argparse.Namespace) -> int:
         quant["iters"] = args.iters
     if scheme == "int8":
         quant["table"] = str(Path(args.out).with_suffix(".table.yaml"))
-    convert(build_recipe(args, scheme, Path(args.out), **quant), progress=False)
+    convert(build_recipe(args, scheme, Path(args.out), **quant), progress=False, jobs=args.jobs)
     return 0
 
 
 def run_child(args: argparse.Namespace, key: str, out: Path, root: Path = ROOT) -> dict[str, Any]:
-    """Convert in a child process running topq from the checkout `root`; its wall time and peak RSS (MiB)."""
-    argv = [sys.executable, "-m", "benchmarks.quant_speed", "--one", key, "--out", str(out),
+    """Convert in a child process running topq from the checkout `root` (and this benchmark's own code); its wall
+    time and peak RSS (MiB: the largest of the child and its calibration workers)."""
+    # topq is imported from `root` before this file's directory goes first on sys.path: its submodules then come
+    # from root's package whatever sys.path says later
+    program = (f"import sys; sys.path.insert(0, {str(root)!r}); import topq; sys.path.insert(0, {str(ROOT)!r}); "
+               "from benchmarks.quant_speed import main; raise SystemExit(main(sys.argv[1:]))")
+    argv = [sys.executable, "-c", program, "--one", key, "--out", str(out),
             *(f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
               if name in SETTING and value is not None)]
     env = {**os.environ, "PYTHONPATH": str(root)}
     started = time.perf_counter()
-    child = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert child.stderr is not None
     err = child.stderr.read()
     _, status, usage = os.wait4(child.pid, 0)
@@ -79,7 +84,8 @@ def run_child(args: argparse.Namespace, key: str, out: Path, root: Path = ROOT) 
     return {"seconds": round(seconds, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}  # ru_maxrss is KiB
 
 
-SETTING = ("model", "calibration", "eval_text", "samples", "seq_len", "seed", "eval_windows", "window", "iters")
+SETTING = ("model", "calibration", "eval_text", "samples", "seq_len", "seed", "eval_windows", "window", "iters",
+           "jobs")
 
 
 def eval_ids(args: argparse.Namespace, bundle: Any) -> list[int]:
@@ -95,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_setting_arguments(p)
     p.add_argument("--iters", type=int, default=200, help="AutoRound steps (default 200)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="calibration worker processes, as `topq convert --jobs` (default: the CPU count, its default)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {', '.join(ROWS)}")
     p.add_argument("--out-dir", type=Path, help="keep bundles here (default: a temp dir)")
     p.add_argument("--baseline", type=Path, help="also convert each row with the topq of this checkout (the "
@@ -151,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernel: {k['internal_api']} {k['version']} core type {k['architecture']} "
               f"(OPENBLAS_CORETYPE={k['OPENBLAS_CORETYPE']}), {k['num_threads']} threads")
     print(f"SmolLM2-135M, calibration {args.samples} x {args.seq_len} EMMA, eval {args.eval_windows} x {args.window} "
-          f"Persuasion, w4 g64 asym; load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+          f"Persuasion, w4 g64 asym; --jobs {args.jobs} (one BLAS thread each); load average before "
+          f"{load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     print(f"| {'method':<40} | {'tool':<14} | perplexity | seconds | peak RSS MiB |")
     print(f"|{'-' * 42}|{'-' * 16}|-----------:|--------:|-------------:|")
     for r in rows:

@@ -28,8 +28,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +48,7 @@ from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.graph import Function, Operation, Value
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden, moe_expert_tokens, moe_routing
+from topq.ir.threads import blas_threads, fixed_threads
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
     check_bits,
@@ -610,10 +613,42 @@ class _LayerStep:
     caches: list[Cache] | None = None  # every sample's values kept from the layer's previous steps (likewise)
 
 
-_STEP: dict[str, Any] = {}  # this process's interpreter for the step it last ran
+class _Steps(threading.local):
+    """This thread's interpreter for the step it last ran (a worker process has one thread, `_ThreadTasks` more)."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, Any] = {}
+
+
+_STEPS = _Steps()
+
+
+class _ThreadTasks:
+    """The layer loop's tasks on `jobs` threads of this process: its products release the GIL, and the threads
+    read the layer inputs and kept values in place (a forked pool would fork per step and copy every result
+    back). The same kernels on the same operands as in one thread: the same results."""
+
+    name, shares_memory = "threads", True
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+        self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="topq-calibrate")
+
+    def map(self, fn: Callable[..., Any], tasks: Sequence[tuple[Any, ...]]) -> Iterator[Any]:
+        return (future.result() for future in [self._pool.submit(fn, *task) for task in tasks])
+
+    def share(self, obj: Any) -> Any:
+        return obj
+
+    def release(self, handle: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, list[_GroupPlan] | None, LayerValues]:
+    _STEP = _STEPS.table
     if _STEP.get("token") != step.token:
         module, family, spec = calibration_program(step.source)
         function = module[f"block_{step.layer}"]
@@ -634,6 +669,12 @@ def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None
     reuse (`topq.quant.reuse`). `rows` / `caches` are those samples' layer inputs and values kept by the layer's
     previous runs, unless the step carries them all (`hidden`, `caches`)."""
     step: _LayerStep = resolve(step_handle)
+    with blas_threads(fixed_threads() or 1):  # parallel are the tasks (`jobs`); a BLAS pool would only compete
+        return _run_layer_task(step, start, stop, rows, caches)
+
+
+def _run_layer_task(step: _LayerStep, start: int, stop: int, rows: np.ndarray | None,
+                    caches: list[Cache] | None) -> list[tuple[Any, Cache]]:
     interp, plans, values = _step_runner(step)
     hidden = rows if rows is not None else step.hidden[start:stop]  # type: ignore[index]
     caches = caches if caches is not None else step.caches[start:stop]  # type: ignore[index]
@@ -727,48 +768,54 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     plans = [_find_groups(module[f"block_{i}"], family, spec, i) for i in range(spec.num_layers)]
     for plan in (p for layer_plans in plans for p in layer_plans):  # fail before hours of calibration, not after
         resolve_group_size(options.get("group_size"), plan.k, what=" / ".join(plan.names))
-    chunk = _chunk_size(executor, samples)
+    # a local pool's jobs run the layer loop's tasks as threads of this process; every product on one BLAS thread,
+    # whoever runs it, so that the results do not depend on the executor or the job count
+    tasks = _ThreadTasks(executor.jobs) if executor.name == "local" and executor.jobs > 1 else executor
+    chunk = _chunk_size(tasks, samples)
     bar = tqdm(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
-    try:
-        for layer, layer_plans in enumerate(plans):
-            reads = _weights_read(module[f"block_{layer}"])
-            caches: list[Cache] = [{} for _ in range(samples)]  # per sample: values the next run reuses
-            read_at = [state.version]
+    with blas_threads(fixed_threads() or 1):
+        try:
+            for layer, layer_plans in enumerate(plans):
+                reads = _weights_read(module[f"block_{layer}"])
+                caches: list[Cache] = [{} for _ in range(samples)]  # per sample: values the next run reuses
+                read_at = [state.version]
 
-            def step(groups: tuple[int, ...] | None, layer: int = layer, reads: list[str] = reads,
-                     layer_plans: list[_GroupPlan] = layer_plans, read_at: list[int] = read_at) -> _LayerStep:
-                rest = layer_plans[groups[0]:] if groups is not None else []
-                changed, read_at[0] = state.written_since(read_at[0]), state.version
-                return _LayerStep(uuid.uuid4().hex, source, layer, groups,
-                                  {n: state.current_weight(n) for n in reads}, changed,
-                                  frozenset(n for p in rest for n in p.names),
-                                  frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n))
+                def step(groups: tuple[int, ...] | None, layer: int = layer, reads: list[str] = reads,
+                         layer_plans: list[_GroupPlan] = layer_plans, read_at: list[int] = read_at) -> _LayerStep:
+                    rest = layer_plans[groups[0]:] if groups is not None else []
+                    changed, read_at[0] = state.written_since(read_at[0]), state.version
+                    return _LayerStep(uuid.uuid4().hex, source, layer, groups,
+                                      {n: state.current_weight(n) for n in reads}, changed,
+                                      frozenset(n for p in rest for n in p.names),
+                                      frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n))
 
-            for batch in _batches(layer_plans):
-                bar.set_postfix_str(f"layer {layer} {'/'.join(layer_plans[batch[0]].keys)}")
-                stats = [observe(layer_plans[g].k) for g in batch]
-                tokens = [0] * len(batch)
-                for xs in _map_samples(executor, step(batch), hidden, caches, chunk):
-                    for i, (st, x) in enumerate(zip(stats, xs)):
-                        st.add(x)
-                        tokens[i] += int(np.prod(np.shape(x)[:-1]))
-                for g, st, seen in zip(batch, stats, tokens):
-                    plan = layer_plans[g]
-                    group = GroupInputs(layer, plan.keys, plan.names, st, plan.fold, seen)
-                    if plan.expert is None:
-                        solve(group, state, options)
-                    else:
-                        _solve_expert(group, plan.expert, state, options, solve, expert_fallback)
-                    bar.update()
-            # the quantized layer's output is the next layer's input
-            for s, out in enumerate(_map_samples(executor, step(None), hidden, caches, chunk)):
-                hidden[s] = out
-            del caches
-            state.end_layer()
-            bar.update()
-    finally:
-        bar.close()
-        _STEP.clear()
+                for batch in _batches(layer_plans):
+                    bar.set_postfix_str(f"layer {layer} {'/'.join(layer_plans[batch[0]].keys)}")
+                    stats = [observe(layer_plans[g].k) for g in batch]
+                    tokens = [0] * len(batch)
+                    for xs in _map_samples(tasks, step(batch), hidden, caches, chunk):
+                        for i, (st, x) in enumerate(zip(stats, xs)):
+                            st.add(x)
+                            tokens[i] += int(np.prod(np.shape(x)[:-1]))
+                    for g, st, seen in zip(batch, stats, tokens):
+                        plan = layer_plans[g]
+                        group = GroupInputs(layer, plan.keys, plan.names, st, plan.fold, seen)
+                        if plan.expert is None:
+                            solve(group, state, options)
+                        else:
+                            _solve_expert(group, plan.expert, state, options, solve, expert_fallback)
+                        bar.update()
+                # the quantized layer's output is the next layer's input
+                for s, out in enumerate(_map_samples(tasks, step(None), hidden, caches, chunk)):
+                    hidden[s] = out
+                del caches
+                state.end_layer()
+                bar.update()
+        finally:
+            bar.close()
+            _STEPS.table.clear()
+            if tasks is not executor:
+                tasks.close()
     return state.result
 
 

@@ -538,6 +538,11 @@ def test_mixed_precision_search_invariants(tiny: dict[str, Any]) -> None:
     assert report["final_ppl"] <= limit or len(bf16) == len(doc["layers"])
     program = Bundle(recipe.output.path).program
     assert program.count('"top.MatMulInt8"') == (14 - len(bf16)) * 3
+    # the search's forwards on two threads (`--jobs 2`): the same sensitivities, cut and table
+    threaded = tiny["root"] / "mixed-jobs2.yaml"
+    convert(recipe_for(tiny, "int8", name="mixed-jobs2", table=str(threaded), budget=1.0, calibration={"samples": 8}),
+            progress=False, jobs=2)
+    assert yaml.safe_load(threaded.read_text()) == doc
 
 
 def test_dynamic_tokens_without_smoothing_reads_no_statistics(tiny: dict[str, Any]) -> None:

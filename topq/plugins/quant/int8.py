@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -533,11 +535,11 @@ class _MixedInterpreter(Interpreter):
     int8 ones compute exactly as a host bundle does (`top.MatMulInt8` on their codes and scales)."""
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray],
-                 values: Mapping[str, QuantizedWeight]) -> None:
+                 codes: Mapping[str, tuple[np.ndarray, np.ndarray]], floats: dict[str, np.ndarray]) -> None:
         super().__init__(module, weights)
         self.bf16: set[str] = set()
-        self._float: dict[str, np.ndarray] = {}
-        self._codes = {n: (q.codes.astype(np.float32), q.scales[:, 0]) for n, q in values.items()}
+        self._float = floats  # shared by the search's interpreters, as `codes` (`_codes_of`)
+        self._codes = codes
 
     def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
         if step.op.name == "top.A8MatMul":
@@ -552,12 +554,17 @@ class _MixedInterpreter(Interpreter):
         return step.kernel(inputs, step.attrs)
 
 
+def _codes_of(values: Mapping[str, QuantizedWeight]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """What `top.MatMulInt8` takes per linear: its codes as float32 and its scales [N]."""
+    return {n: (q.codes.astype(np.float32), q.scales[:, 0]) for n, q in values.items()}
+
+
 SENSITIVITY_WINDOWS = 2  # held-out windows the per-linear sensitivity pass runs on (the cut is checked on all)
 
 
 def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
                     dynamic: bool, values: Mapping[str, QuantizedWeight],
-                    floats: Mapping[str, np.ndarray]) -> dict[str, Any]:
+                    floats: Mapping[str, np.ndarray], jobs: int = 1) -> dict[str, Any]:
     """Keep the most damaging linears in bf16 until held-out perplexity ≤ budget × the all-bf16 model's.
 
     1. sensitivity: each linear alone in int8 (everything else bf16), perplexity on the first
@@ -566,6 +573,9 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     2. the cut: linears sorted by damage, the smallest prefix kept in bf16 that meets the budget on all held-out
        windows, found by bisection (perplexity falls as more linears stay bf16) — ~log2(N) full evaluations
        instead of N.
+
+    Its forwards (one per linear in 1, one per window in 2) run on `jobs` threads, each with an interpreter of its
+    own; their results are combined in order, so the outcome does not depend on `jobs`.
     """
     module = cm.module
     rewrite_program(module, plan, cm.sites, dynamic)
@@ -583,7 +593,21 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
             return round_to_dtype(eff(n[: -len(".float")]), SCALE_DTYPE)
         return host(n)
 
-    interp = _MixedInterpreter(module, weights, values)
+    codes, rebuilt, loaded = _codes_of(values), {}, {}
+    local = threading.local()
+
+    def shared(n: str) -> np.ndarray:  # one copy of each weight for all threads' interpreters
+        array = loaded.get(n)
+        if array is None:
+            array = loaded[n] = weights(n)
+        return array
+
+    def mixed(bf16: set[str]) -> _MixedInterpreter:  # this thread's interpreter, running `bf16` in bf16
+        if not hasattr(local, "interp"):
+            local.interp = _MixedInterpreter(module, shared, codes, rebuilt)
+        local.interp.bf16 = bf16
+        return local.interp
+
     head = host(family.global_weights["embed" if spec.tie_word_embeddings else "lm_head"])
     norm = host(family.global_weights["final_norm"])
     positions = np.arange(cm.seq_len, dtype=np.int32)[None]
@@ -591,9 +615,10 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     layer_of = _layers_of(module, spec.num_layers)
 
     def embed(w: np.ndarray) -> np.ndarray:
-        return interp.run("embedding", [w[None].astype(np.int32)])[0]
+        return mixed(set(names)).run("embedding", [w[None].astype(np.int32)])[0]
 
-    def nll(h: np.ndarray, w: np.ndarray, first_layer: int = 0) -> float:
+    def nll(bf16: set[str], h: np.ndarray, w: np.ndarray, first_layer: int = 0) -> float:
+        interp = mixed(bf16)
         for i in range(first_layer, spec.num_layers):
             h = interp.run(f"block_{i}", [h, positions])[0]
         h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
@@ -602,52 +627,65 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
         lp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
         return -float(lp[np.arange(len(w) - 1), w[1:]].sum())
 
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="topq-int8")
+
+    def each(fn: Callable[[Any], float], items: Sequence[Any]) -> list[float]:  # in item order
+        return list(pool.map(fn, items))
+
     def ppl(bf16: set[str], windows: np.ndarray = held_out) -> float:
-        interp.bf16 = bf16
-        total = sum(nll(embed(w), w) for w in windows)
+        total = sum(each(lambda w: nll(bf16, embed(w), w), windows))
         return math.exp(total / (len(windows) * (windows.shape[1] - 1)))
 
-    reference = ppl(set(names))
-    limit = budget * reference
-    current = ppl(set())
-    report: dict[str, Any] = {"bf16_ppl": reference, "int8_ppl": current, "budget": budget}
-    chosen: list[str] = []
-    if current > limit:
-        probe = held_out[:SENSITIVITY_WINDOWS]
-        interp.bf16 = set(names)
-        prefixes = []  # per probe window: the bf16 model's hidden state in front of every layer
-        for w in probe:
-            h, states = embed(w), []
-            for i in range(spec.num_layers):
-                states.append(h)
-                h = interp.run(f"block_{i}", [h, positions])[0]
-            prefixes.append(states)
-        tokens = len(probe) * (probe.shape[1] - 1)
-        damage = {}
-        for n in tqdm(names, desc="int8 sensitivity", unit="linear"):
-            interp.bf16 = set(names) - {n}
-            layer = layer_of[n]
-            damage[n] = sum(nll(states[layer], w, layer) for states, w in zip(prefixes, probe)) / tokens
-        order = sorted(names, key=lambda n: -damage[n])
-        lo, hi = 0, len(order)  # invariant: keeping order[:hi] in bf16 meets the budget (all bf16 does)
-        results = {hi: reference, 0: current}
-        bar = tqdm(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision", unit="eval")
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            results[mid] = ppl(set(order[:mid]))
-            bar.set_postfix_str(f"{mid} bf16: ppl {results[mid]:.3f} / {limit:.3f}")
-            bar.update()
-            lo, hi = (lo, mid) if results[mid] <= limit else (mid, hi)
-        bar.close()
-        chosen, current = order[:hi], results[hi]
-        report["sensitivity"] = {n: round(damage[n], 6) for n in order}  # mean NLL with only n in int8
-    for n in chosen:
-        plan.modes[n] = "bf16"
-    int8_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names if plan.modes[n] == "int8")
-    all_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names)
-    report.update(final_ppl=current, bf16_linears=len(chosen),
-                  int8_weight_fraction=round(int8_params / all_params, 4) if all_params else 0.0)
-    return report
+    try:
+        reference = ppl(set(names))
+        limit = budget * reference
+        current = ppl(set())
+        report: dict[str, Any] = {"bf16_ppl": reference, "int8_ppl": current, "budget": budget}
+        chosen: list[str] = []
+        if current > limit:
+            probe = held_out[:SENSITIVITY_WINDOWS]
+            interp = mixed(set(names))
+            prefixes = []  # per probe window: the bf16 model's hidden state in front of every layer
+            for w in probe:
+                h, states = embed(w), []
+                for i in range(spec.num_layers):
+                    states.append(h)
+                    h = interp.run(f"block_{i}", [h, positions])[0]
+                prefixes.append(states)
+            tokens = len(probe) * (probe.shape[1] - 1)
+
+            bar = tqdm(total=len(names), desc="int8 sensitivity", unit="linear")
+
+            def sensitivity(n: str) -> float:
+                layer = layer_of[n]
+                total = sum(nll(set(names) - {n}, states[layer], w, layer) for states, w in zip(prefixes, probe))
+                bar.update()
+                return total / tokens
+
+            damage = dict(zip(names, each(sensitivity, names)))
+            bar.close()
+            order = sorted(names, key=lambda n: -damage[n])
+            lo, hi = 0, len(order)  # invariant: keeping order[:hi] in bf16 meets the budget (all bf16 does)
+            results = {hi: reference, 0: current}
+            bar = tqdm(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision", unit="eval")
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                results[mid] = ppl(set(order[:mid]))
+                bar.set_postfix_str(f"{mid} bf16: ppl {results[mid]:.3f} / {limit:.3f}")
+                bar.update()
+                lo, hi = (lo, mid) if results[mid] <= limit else (mid, hi)
+            bar.close()
+            chosen, current = order[:hi], results[hi]
+            report["sensitivity"] = {n: round(damage[n], 6) for n in order}  # mean NLL with only n in int8
+        for n in chosen:
+            plan.modes[n] = "bf16"
+        int8_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names if plan.modes[n] == "int8")
+        all_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names)
+        report.update(final_ppl=current, bf16_linears=len(chosen),
+                      int8_weight_fraction=round(int8_params / all_params, 4) if all_params else 0.0)
+        return report
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _layers_of(module: Module, num_layers: int) -> dict[str, int]:
@@ -772,8 +810,9 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
         plan, cm = calibrate_plan(model, windows, linears, opts, executor)
         if opts.budget is not None:  # every planned linear is int8 until the search sends some back to bf16
             values = int8_values(store.get, plan, cm.sites)
+            jobs = int(executor.jobs) if executor is not None and executor.name == "local" else 1  # threads here
             plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic,
-                                                           values, float_rewrites(store.get, plan, cm.sites))
+                                                           values, float_rewrites(store.get, plan, cm.sites), jobs)
         if table is not None:
             with atomic_file(table) as fh:
                 fh.write(plan.to_yaml().encode())

@@ -3,13 +3,17 @@ transformers (float32, eager, torch's default threads), all in one process.
 
     cd /work/main && python -m benchmarks.blas_threads --dir /tmp/bench            # idle + 2 busy processes
     cd /work/main && python -m benchmarks.blas_threads --dir /tmp/bench --load 3 --tokens 24 --json
+    cd /work/main && python -m benchmarks.blas_threads --dir /tmp/bench --rounds 3 --tokens 10  # alternated
 
 Settings: `per-call` is topq's default (`TOPQ_BLAS_THREADS=auto`: decode single-threaded, prefill at the
 library's default); `fixed` runs every call at the library's default thread count (`TOPQ_BLAS_THREADS=N`, what
 topq did before). `--load N` starts N busy-looping processes for the loaded rows (the situation of a shared
-machine). The table prints tokens/s and loaded / idle per runtime; the kernel line says which BLAS ran (library,
-version, the core type OpenBLAS chose, OPENBLAS_CORETYPE if the environment forces one). Do not set
-OPENBLAS_NUM_THREADS: the point is the library's default.
+machine). transformers runs twice per round: with torch's default intra-op threads (what it does unless told) and
+with one thread (its best setting on a busy machine, the fair peer of topq's single-threaded decode); its model is
+loaded once. `--rounds N` alternates idle and loaded rounds N times and takes medians over all of them, so the
+drift of other processes' load does not land on one side only. The table prints tokens/s and loaded / idle per
+runtime; the kernel line says which BLAS ran (library, version, the core type OpenBLAS chose, OPENBLAS_CORETYPE if
+the environment forces one). Do not set OPENBLAS_NUM_THREADS: the point is the library's default.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.emulator_decode import PROMPT, bundle_for, summary, time_session, time_transformers  # noqa: E402
+from benchmarks.emulator_decode import (  # noqa: E402
+    PROMPT,
+    bundle_for,
+    smol_transformers,
+    summary,
+    time_session,
+    time_transformers,
+)
 
 
 def _spin(stop: Any) -> None:
@@ -55,6 +66,18 @@ def busy(processes: int) -> Iterator[None]:
 
 
 @contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@contextmanager
 def topq_threads(value: str) -> Iterator[None]:
     from topq.ir.threads import ENV
 
@@ -74,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, help="where bundles are written / reused (default: a temp dir)")
     p.add_argument("--tokens", type=int, default=16, help="timed decode steps per run (default 16)")
     p.add_argument("--load", type=int, default=2, help="busy processes for the loaded rows (default 2)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="idle / loaded rounds, alternated; medians over rounds (default 1; more cancel the drift of "
+                        "other processes' load)")
     p.add_argument("--skip-emulator", action="store_true", help="time only the host runtime and transformers")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -99,23 +125,31 @@ def main(argv: list[str] | None = None) -> int:
     tok = host.tokenizer
     prompt = list(tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False))
+    load_before = os.getloadavg()
     default = max_threads()
-    rows: list[dict[str, Any]] = []
-    for load in (0, args.load):
-        with busy(load):
-            for name, run in runtimes.items():
-                for setting, value in (("per-call", "auto"), ("fixed", str(default))):
-                    with topq_threads(value):
-                        result = run(prompt)
-                    rows.append({"runtime": name, "setting": setting, "load": load, **summary(result["times"])})
-            result = time_transformers(prompt, args.tokens)
-            rows.append({"runtime": "transformers f32 eager", "setting": f"torch {torch.get_num_threads()} threads",
-                         "load": load, **summary(result["times"])})
+    model = smol_transformers()
+    torch_default = torch.get_num_threads()
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for load in (0, args.load):
+            with busy(load):
+                for name, run in runtimes.items():
+                    for setting, value in (("per-call", "auto"), ("fixed", str(default))):
+                        with topq_threads(value):
+                            times.setdefault((name, setting, load), []).extend(run(prompt)["times"])
+                # torch's default threads (what transformers does unless told) and one thread (its best here)
+                for count in dict.fromkeys((torch_default, 1)):
+                    with torch_threads(count):
+                        result = time_transformers(prompt, args.tokens, model)
+                    times.setdefault(("transformers f32 eager", f"torch {count} threads", load), []).extend(
+                        result["times"])
+    rows = [{"runtime": name, "setting": setting, "load": load, **summary(t)}
+            for (name, setting, load), t in sorted(times.items(), key=lambda kv: kv[0][2])]
     idle = {(r["runtime"], r["setting"]): r["tokens_per_s"] for r in rows if r["load"] == 0}
     for r in rows:
         r["loaded_over_idle"] = round(r["tokens_per_s"] / idle[(r["runtime"], r["setting"])], 3)
     report = {"kernel": kernel_info(), "blas_default_threads": default, "cpus": os.cpu_count(),
-              "loadavg_before": os.getloadavg(), "tokens": args.tokens, "rows": rows}
+              "loadavg_before": load_before, "tokens": args.tokens, "rounds": args.rounds, "rows": rows}
     if args.json:
         print(json.dumps(report))
         return 0
@@ -126,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['runtime']:<24}{r['setting']:<18}{r['load']:>5}{r['tokens_per_s']:>9.2f}{r['ms_per_token']:>10.2f}"
               f"{r['loaded_over_idle']:>13.3f}")
-    print(f"load average at the end: {os.getloadavg()}")
+    print(f"load average before: {load_before}, at the end: {os.getloadavg()}; {args.rounds} round(s) of "
+          f"{args.tokens} tokens per row and round, median ms/token")
     return 0
 
 

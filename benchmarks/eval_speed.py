@@ -9,8 +9,8 @@ bundle) with `topq.core.runtime.perplexity`; `per-position` turns the executor's
 runtime's path before batching. The wall time of the lm_head calls is timed on its own (the part batching changes;
 the prefill segments around it take the same time in both rows, up to the machine's load). Bundles are converted
 into `--dir` once (the decode benchmarks' settings: seq_length 512, max_input_length 128), so a window is one prefill
-and three prefill-with-history segments. The table prints
-seconds, the batched speed-up and the relative perplexity difference; the kernel line says which BLAS ran.
+and three prefill-with-history segments. The table prints seconds (whole eval and lm_head calls), the batched
+speed-ups and the relative perplexity difference; the kernel line says which BLAS ran.
 """
 
 from __future__ import annotations

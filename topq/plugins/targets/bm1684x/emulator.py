@@ -29,6 +29,10 @@ remembers it; when the next call passes back that very array, the region already
 for a truncation, a test's random ones) is copied into the region first; checker mode verifies the region against
 the caller's array on every call.
 
+Batched logits: `run("lm_head", [h])` also takes h of [1, T, H] (the runtime's perplexity asks for a segment's
+logits at once). The program plans DDR for one position, so those calls run the same steps and kernels on values
+the emulator holds itself, each rounded to its dtype as a DDR store rounds it (`_run_positions`).
+
 Checker mode (`checker=True`, recipe `target.checker: true`, or TOPQ_CHECKER=1) tracks which tensor owns each
 DDR granule: it fails naming both tensors when a write lands on a live tensor or a read finds its bytes owned by
 another one, poisons every freed region with 0xFF (NaN in every float dtype) and fails on a read of a freed

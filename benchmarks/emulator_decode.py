@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads for transformers (default: --threads)")
     p.add_argument("--skip-transformers", action="store_true", help="do not time transformers")
     p.add_argument("--profile", action="store_true", help="cProfile the emulator decode loop")
+    p.add_argument("--ops", action="store_true",
+                   help="after the timed runs, time each op kind of 8 more decode steps (emulator and host)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.checker_tokens < 0:
@@ -101,7 +103,28 @@ def time_session(bundle: Any, prompt: list[int], tokens: int, executor: Any = No
 
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
-    return {"open_s": opened, "prefill_s": prefill, "times": times, "tokens": out}
+    return {"open_s": opened, "prefill_s": prefill, "times": times, "tokens": out, "session": session}
+
+
+def op_times(session: Any, token: int, steps: int = 8) -> list[tuple[str, float, float]]:
+    """(op, ms per token, calls per token) of `steps` more greedy decode steps, largest first: every step of every
+    plan the executor has built (host interpreter and emulator plans alike) timed around its kernel."""
+    import numpy as np
+
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for plan in session.executor._plans.values():
+        for step in plan.steps:
+            def timed(inputs: Any, attrs: Any, kernel: Any = step.kernel, name: str = step.op.name) -> Any:
+                started = time.perf_counter()
+                out = kernel(inputs, attrs)
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - started
+                calls[name] = calls.get(name, 0) + 1
+                return out
+            step.kernel = timed
+    for _ in range(steps):
+        token = int(np.argmax(session.decode(token)))
+    return sorted(((n, spent[n] * 1e3 / steps, calls[n] / steps) for n in spent), key=lambda r: -r[1])
 
 
 def load_transformers(path: Path) -> Any:
@@ -124,13 +147,17 @@ def load_transformers(path: Path) -> Any:
     return model.float().eval()
 
 
-def time_transformers(prompt: list[int], tokens: int) -> dict[str, Any]:
-    import torch
-
+def smol_transformers() -> Any:
     from topq.core.recipe import recipe_from_defaults
 
-    path = Path(recipe_from_defaults(model={"path": SMOL}).model.path)
-    model = load_transformers(path)
+    return load_transformers(Path(recipe_from_defaults(model={"path": SMOL}).model.path))
+
+
+def time_transformers(prompt: list[int], tokens: int, model: Any = None) -> dict[str, Any]:
+    """Greedy decode timing of transformers (the model loaded from the GGUF unless given)."""
+    import torch
+
+    model = model if model is not None else smol_transformers()
     with torch.inference_mode():
         out = model(torch.tensor([prompt]), use_cache=True)
         cache = out.past_key_values
@@ -188,11 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         results["checker"] = {"tokens": n, "identical": checked["tokens"] == emu["tokens"][:n],
                               **summary(checked["times"])}
     results["emulator_text"] = tok.decode(emu["tokens"], skip_special_tokens=True)
+    if args.ops:  # after every timed run: the wrapped kernels cost a little
+        for key, run in (("emulator_ops", emu), ("host_ops", host)):
+            results[key] = [(n, round(ms, 2), c) for n, ms, c in op_times(run["session"], run["tokens"][-1])]
     if args.json:
         print(json.dumps(results))
     else:
         for key, value in results.items():
-            print(f"{key:>26}: {value}")
+            if key.endswith("_ops"):
+                print(f"{key:>26}: " + ", ".join(f"{n} {ms} ms ({c:g}/token)" for n, ms, c in value))
+            else:
+                print(f"{key:>26}: {value}")
     ok = results.get("checker", {}).get("identical", True)
     return 0 if ok else 1
 

@@ -82,7 +82,7 @@ def _find_module(name: str) -> object | None:
 
 def _sampling(greedy: bool, temperature: float | None, top_k: int, top_p: float, seed: int | None,
               repetition_penalty: float) -> Any:
-    from topq.core.runtime import Sampling
+    from topq.ir.sampling import Sampling
 
     use_greedy = greedy or temperature is None or temperature == 0
     return Sampling(greedy=use_greedy, temperature=temperature or 1.0, top_k=top_k, top_p=top_p, seed=seed,

@@ -13,7 +13,6 @@ length and feeds the tokens after it again.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,55 +21,13 @@ from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.core.stages import stage_window
 from topq.core.target import Executor
+from topq.ir.sampling import Sampling
 from topq.ir.threads import blas_threads, threads_for
 
 NEG_INF = np.float32(-np.inf)
 #: recurrent models: how many feeds' states a session keeps for going back (the latest ones: a chat re-renders
 #: the last turns); older truncation points are reached by feeding again from the start
 SAVED_STATES = 4
-
-
-@dataclass
-class Sampling:
-    """Decoding settings. temperature 0 (or greedy=True) is greedy decoding."""
-
-    greedy: bool = True
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    _rng: np.random.Generator = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
-            raise TopqError("sampling: need temperature ≥ 0, 0 < top_p ≤ 1, top_k ≥ 0, repetition_penalty > 0")
-        self._rng = np.random.default_rng(self.seed)
-
-    def pick(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        logits = np.asarray(logits, dtype=np.float64).copy()
-        if self.repetition_penalty != 1.0 and len(history):
-            seen = np.unique(np.asarray(history))
-            # The CTRL / transformers rule: shrink positive logits, grow negative ones.
-            vals = logits[seen]
-            logits[seen] = np.where(vals > 0, vals / self.repetition_penalty, vals * self.repetition_penalty)
-        if self.greedy or self.temperature == 0:
-            return int(np.argmax(logits))
-        logits /= self.temperature
-        if self.top_k and self.top_k < logits.size:
-            kth = np.partition(logits, -self.top_k)[-self.top_k]
-            logits[logits < kth] = -np.inf
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
-        if self.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cumulative = np.cumsum(probs[order])
-            keep = cumulative - probs[order] < self.top_p  # always keeps the most likely token
-            mask = np.zeros_like(probs, dtype=bool)
-            mask[order[keep]] = True
-            probs = np.where(mask, probs, 0.0)
-            probs /= probs.sum()
-        return int(self._rng.choice(probs.size, p=probs))
 
 
 def open_executor(bundle: Bundle) -> Executor:
@@ -167,6 +124,11 @@ class Session:
         return logits if all_logits else logits[-1]
 
     def _logits_rows(self, hidden: np.ndarray, count: int) -> np.ndarray:
+        """Logits [count, V] of the first `count` positions: one lm_head call on all of them when the executor
+        takes several positions (`Executor` doc), else one call per position."""
+        if count > 1 and getattr(self.executor, "lm_head_rows", False):
+            with blas_threads(threads_for(count)):  # one [count, H] x [H, V] product
+                return self._run("lm_head", [np.ascontiguousarray(hidden[:, :count])])[0][0]
         with blas_threads(threads_for(1)):  # lm_head runs one position per call
             rows = [self._run("lm_head", [np.ascontiguousarray(hidden[:, i:i + 1])])[0][0, 0] for i in range(count)]
         return np.stack(rows)

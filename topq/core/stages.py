@@ -8,7 +8,7 @@ KVH kv heads, D head dim):
     block_kv_{i}(hidden, pos, mask[1,1,1,S+L], history_k[1,S,KVH,D], history_v) -> (hidden, k, v)
     block_cache_{i}[_{S}](hidden[1,1,H], pos[1,1], mask[1,1,1,S+1], history_k[1,S,KVH,D], history_v)
         -> (hidden, k[1,1,KVH,D], v)
-    lm_head(hidden[1,1,H]) -> logits[1,1,V]                (the final norm is folded in here)
+    lm_head(hidden[1,1,H]) -> logits[1,1,V]                (the final norm is folded in here; position-wise)
 
 A recurrent layer (the family's `layer_states` names what it carries, e.g. a linear-attention layer's conv
 window and state, each `[1, ...]` f32) has no KV and no decode variants:

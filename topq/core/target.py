@@ -68,7 +68,9 @@ class CompiledModel:
 
 
 class Executor(Protocol):
-    """Runs one function of a loaded bundle: the runtime's only view of a target."""
+    """Runs one function of a loaded bundle: the runtime's only view of a target. `lm_head` is position-wise; an
+    executor whose `run` also takes it on [1, T, H] for any T says so with a true `lm_head_rows` attribute (optional),
+    and the runtime then computes a segment's logits in one call (perplexity), not one call per position."""
 
     def run(self, name: str, inputs: list[np.ndarray]) -> list[np.ndarray]: ...
 

@@ -55,8 +55,16 @@ class Plan:
 Tap = Callable[["Step", list[np.ndarray], list[np.ndarray]], None]
 
 
+def other_positions(shape: Sequence[int], expected: Sequence[int]) -> bool:
+    """`shape` is `expected` with another length along axis 1 (positions)."""
+    return len(shape) == len(expected) > 1 and (shape[0], *shape[2:]) == (expected[0], *expected[2:])
+
+
 class Interpreter:
     kernels: Mapping[str, Kernel] = REFERENCE_OPS
+    #: functions that also run on inputs of any length along axis 1 (positions): set by a subclass for functions
+    #: whose ops act on each position alone and carry no shape of their own (the stages' `lm_head`)
+    any_positions: frozenset[str] = frozenset()
 
     def __init__(self, module: Module, weights: WeightLoader, tap: Tap | None = None) -> None:
         self.module = module
@@ -120,7 +128,8 @@ class Interpreter:
             raise TopqError(f"@{name} takes {len(plan.inputs)} inputs, got {len(inputs)}")
         env: list[Any] = [None] * plan.num_slots
         for s, value, arg in zip(plan.inputs, inputs, function.args):
-            if tuple(value.shape) != arg.shape:
+            if tuple(value.shape) != arg.shape and not (name in self.any_positions
+                                                        and other_positions(value.shape, arg.shape)):
                 raise TopqError(f"@{name}: input of shape {list(value.shape)}, expected {list(arg.shape)}")
             env[s] = value
         for s, value in plan.constants.items():

@@ -469,8 +469,8 @@ def test_weights_the_chip_cannot_pack_are_refused_naming_them(tiny: Any, tmp_pat
 
 def test_wrong_input_shapes_are_errors(bundle: Callable[..., Bundle]) -> None:
     emulator = open_bundle(bundle("bm1684x", "bf16"), BM1684X)
-    with pytest.raises(TopqError, match=r"@lm_head: input 0 of shape \[1, 2, 64\], expected \[1, 1, 64\]"):
-        emulator.run("lm_head", [np.zeros((1, 2, 64), np.float32)])
+    with pytest.raises(TopqError, match=r"@block_0: input 0 of shape \[1, 2, 64\], expected \[1, 16, 64\]"):
+        emulator.run("block_0", [np.zeros((1, 2, 64), np.float32), np.zeros((1, 16), np.int32)])
     with pytest.raises(TopqError, match="takes 1 inputs, got 2"):
         emulator.run("lm_head", [np.zeros((1, 1, 64), np.float32)] * 2)
 

@@ -29,6 +29,10 @@ remembers it; when the next call passes back that very array, the region already
 for a truncation, a test's random ones) is copied into the region first; checker mode verifies the region against
 the caller's array on every call.
 
+Batched logits: `run("lm_head", [h])` also takes h of [1, T, H] (the runtime's perplexity asks for a segment's
+logits at once). The program plans DDR for one position, so those calls run the same steps and kernels on values
+the emulator holds itself, each rounded to its dtype as a DDR store rounds it (`_run_positions`).
+
 Checker mode (`checker=True`, recipe `target.checker: true`, or TOPQ_CHECKER=1) tracks which tensor owns each
 DDR granule: it fails naming both tensors when a write lands on a live tensor or a read finds its bytes owned by
 another one, poisons every freed region with 0xFF (NaN in every float dtype) and fails on a read of a freed
@@ -49,6 +53,7 @@ from topq.core.errors import TopqError
 from topq.ir.catalogue import CATALOGUE
 from topq.ir.graph import Block, Function, Module, Operation, Value
 from topq.ir.int8 import uses_requant
+from topq.ir.interpreter import other_positions
 from topq.ir.parser import parse_module
 from topq.ir.reference_ops import REFERENCE_OPS
 from topq.ir.types import TensorType
@@ -66,6 +71,10 @@ from topq.plugins.targets.bm1684x.spec import ChipSpec
 
 F32 = np.float32
 POISON = 0xFF
+#: tpu ops that compute each position (row) alone and hold no shape of their own: an `lm_head` of only these also
+#: runs on [1, T, H] (the runtime's batched logits)
+POSITION_WISE = frozenset({"tpu.Weight", "tpu.RMSNorm", "tpu.LayerNorm", "tpu.MatMul", "tpu.A16MatMul",
+                           "tpu.MatMulInt8", "tpu.Add", "tpu.Mul", "tpu.MulConst", "tpu.Tanh", "tpu.Cast"})
 Reader = Callable[[], np.ndarray]
 Writer = Callable[[np.ndarray], None]
 
@@ -223,6 +232,10 @@ class Emulator:
         self.kv: dict[tuple[int, str], KVMirror] = {}
         self.states: dict[tuple[int, int], StateRegion] = {}  # (layer, state index) → its region
         self._load(tensor)
+        head = self.module.functions.get("lm_head")
+        #: the runtime's batched logits (`Executor` doc): lm_head on any number of positions
+        self.lm_head_rows = head is not None and all(op.name in POSITION_WISE for op in head.ops)
+        self._position_plans: dict[str, FunctionPlan] = {}
 
     # -- loading -----------------------------------------------------------------------------------
     def view(self, addr: int, t: TensorType) -> np.ndarray:
@@ -312,6 +325,8 @@ class Emulator:
         arrays = [np.asarray(x) for x in inputs]
         for i, (array, t) in enumerate(zip(arrays, plan.args)):
             if tuple(array.shape) != t.shape:
+                if name == "lm_head" and self.lm_head_rows and other_positions(array.shape, t.shape):
+                    return self._run_positions(name, arrays)
                 raise TopqError(f"@{name}: input {i} of shape {list(array.shape)}, expected {list(t.shape)}")
         checker = self.checker
         if checker:
@@ -347,6 +362,21 @@ class Emulator:
             outputs[index].setflags(write=False)
             self.states[key].handed = weakref.ref(outputs[index])
         return outputs
+
+    def _run_positions(self, name: str, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """A position-wise function on T positions. The chip program plans DDR for one; here the same steps and
+        kernels run with every value held locally, rounded to its dtype as a store in DDR rounds it (nothing is
+        written to DDR, so the checker has nothing to check)."""
+        plan = self._position_plans.get(name)
+        if plan is None:
+            plan = self._position_plans[name] = _Planner(self, self.module[name], local=True).build()
+        for writer, array in zip(plan.arg_writers, arrays):
+            assert writer is not None  # a position-wise function reads no KV or state region
+            writer(array)
+        for step in plan.steps:
+            for writer, value in zip(step.writers, step.kernel([r() for r in step.readers], step.attrs)):
+                writer(value)
+        return [r() for r in plan.outputs]
 
     def _sync_state(self, key: tuple[int, int], array: np.ndarray, name: str) -> None:
         region = self.states[key]
@@ -432,10 +462,11 @@ class Emulator:
 class _Planner:
     """Turns one function into a FunctionPlan (readers/writers bound to DDR views or local slots)."""
 
-    def __init__(self, emu: Emulator, function: Function) -> None:
+    def __init__(self, emu: Emulator, function: Function, local: bool = False) -> None:
         self.emu = emu
         self.f = function
-        self.checker = emu.checker
+        self.all_local = local  # every value in a slot, none in DDR (`Emulator._run_positions`)
+        self.checker = None if local else emu.checker
         self.slots: list[Any] = []
         self.local: dict[int, int] = {}  # value id → slot
         self.addr: dict[int, int] = {}  # root value id → DDR address
@@ -455,6 +486,8 @@ class _Planner:
 
     def ref(self, value: Value) -> DdrRef | None:
         """The DDR location of a value (through views), or None when it is local."""
+        if self.all_local:
+            return None
         r = root(value)
         if isinstance(r.owner, Block) and r.index in self.kv_args:
             mirror = self.emu.kv[self.kv_args[r.index]]

@@ -100,10 +100,20 @@ def compile_host(job: CompileJob) -> CompiledModel:
     return CompiledModel(program=print_module(module), manifest={n: types[n] for n in names}, produce=produce)
 
 
+#: ops that compute each position (row) alone and hold no shape of their own: a function of only these runs on any
+#: number of positions
+POSITION_WISE = frozenset({"top.Weight", "top.RMSNorm", "top.LayerNorm", "top.MatMul", "top.MatMulInt8", "top.Add",
+                           "top.Mul", "top.MulConst", "top.Tanh"})
+
+
 class HostExecutor(Interpreter):
     def __init__(self, bundle: Bundle) -> None:
         module = parse_module(bundle.program, source=f"{bundle.path}:program")
         super().__init__(module, lambda name: np.asarray(bundle.tensor(name), dtype=np.float32))
+        #: the runtime's batched logits (`Executor` doc): lm_head on [1, T, H] when it is position-wise
+        head = module.functions.get("lm_head")
+        self.lm_head_rows = head is not None and all(op.name in POSITION_WISE for op in head.walk())
+        self.any_positions = frozenset({"lm_head"} if self.lm_head_rows else ())
 
 
 TARGET = Target(

@@ -9,6 +9,7 @@ fold the weight transposes and prepack MatMulNBits blocks). The KV cache stays i
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,10 @@ from topq.core.errors import TopqError
 from topq.plugins.targets.onnx.conventions import ONNX_BFLOAT16, PROGRAM_VERSION
 
 MAX_THREADS = 2
+#: ONNX ops that compute each position alone (RMSNorm as ORT fuses or decomposes it, matmuls on a weight, the
+#: family's elementwise head hook); a Transpose in lm_head is a weight's
+POSITION_WISE = frozenset({"SimplifiedLayerNormalization", "LayerNormalization", "Pow", "ReduceMean", "Add", "Sqrt",
+                           "Div", "Mul", "MatMul", "MatMulNBits", "Transpose", "Tanh", "Cast", "Constant", "Identity"})
 INSTALL_HINT = "pip install 'onnxruntime>=1.20,<2'"
 
 
@@ -57,13 +62,26 @@ class OnnxExecutor:
         # an accuracy_level other than the compiled one (TOPQ_ONNX_ACCURACY_LEVEL): graphs are edited on load
         self.accuracy_level = None if accuracy_level == meta.get("accuracy_level") else accuracy_level
 
-    def session(self, name: str) -> Any:
-        session = self.sessions.get(name)
+    @cached_property
+    def lm_head_rows(self) -> bool:
+        """The runtime's batched logits (`Executor` doc): lm_head also runs on [1, T, H], from a copy of its graph
+        whose position axis is symbolic (ONNX Runtime checks inputs against the graph's static shapes); only when
+        every node computes each position alone (no reshape fixes the position count)."""
+        import onnx
+
+        if "lm_head" not in self.functions:
+            return False
+        graph = onnx.load_from_string(self.bundle.tensor(self.functions["lm_head"]["graph"]).tobytes()).graph
+        return all(node.op_type in POSITION_WISE for node in graph.node)
+
+    def session(self, name: str, any_positions: bool = False) -> Any:
+        key = f"{name}[positions]" if any_positions else name
+        session = self.sessions.get(key)
         if session is None:
-            session = self.sessions[name] = self._create(name)
+            session = self.sessions[key] = self._create(name, any_positions)
         return session
 
-    def _create(self, name: str) -> Any:
+    def _create(self, name: str, any_positions: bool = False) -> Any:
         try:
             entry = self.functions[name]
         except KeyError:
@@ -86,6 +104,8 @@ class OnnxExecutor:
         graph = self.bundle.tensor(entry["graph"]).tobytes()
         if self.accuracy_level is not None:
             graph = with_accuracy_level(graph, self.accuracy_level)
+        if any_positions:
+            graph = with_symbolic_positions(graph)
         try:
             return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - ORT's exception types derive from Exception only
@@ -99,11 +119,26 @@ class OnnxExecutor:
         return self.ort.OrtValue.ortvalue_from_numpy(array)
 
     def run(self, name: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        session = self.session(name)
+        session = self.session(name, name == "lm_head" and inputs[0].ndim == 3 and inputs[0].shape[1] != 1)
         feeds = {}
         for arg, value in zip(session.get_inputs(), inputs):
             feeds[arg.name] = np.ascontiguousarray(value, dtype=_NP_TYPES.get(arg.type, None))
         return list(session.run(None, feeds))
+
+
+def with_symbolic_positions(graph: bytes) -> bytes:
+    """A position-wise graph ([1, 1, ...] in, [1, 1, ...] out) with axis 1 of its inputs and outputs named
+    `positions` instead of 1, and its intermediate shapes dropped (ONNX Runtime infers them again)."""
+    import onnx
+
+    model = onnx.load_from_string(graph)
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) < 2 or dims[1].dim_value != 1:
+            raise TopqError(f"graph input/output {value.name} has no position axis of length 1")
+        dims[1].dim_param = "positions"
+    del model.graph.value_info[:]
+    return bytes(model.SerializeToString())
 
 
 def with_accuracy_level(graph: bytes, level: int) -> bytes:

@@ -1,0 +1,55 @@
+"""Decoding settings and the choice of the next token from logits (greedy, temperature, top-k, top-p,
+repetition penalty). Plain numpy on one logits vector; the runtime (`topq.core.runtime`) uses it, and re-exports it
+for its callers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from topq.ir.errors import TopqError
+
+
+@dataclass
+class Sampling:
+    """Decoding settings. temperature 0 (or greedy=True) is greedy decoding."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    _rng: np.random.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
+            raise TopqError("sampling: need temperature ≥ 0, 0 < top_p ≤ 1, top_k ≥ 0, repetition_penalty > 0")
+        self._rng = np.random.default_rng(self.seed)
+
+    def pick(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        logits = np.asarray(logits, dtype=np.float64).copy()
+        if self.repetition_penalty != 1.0 and len(history):
+            seen = np.unique(np.asarray(history))
+            # The CTRL / transformers rule: shrink positive logits, grow negative ones.
+            vals = logits[seen]
+            logits[seen] = np.where(vals > 0, vals / self.repetition_penalty, vals * self.repetition_penalty)
+        if self.greedy or self.temperature == 0:
+            return int(np.argmax(logits))
+        logits /= self.temperature
+        if self.top_k and self.top_k < logits.size:
+            kth = np.partition(logits, -self.top_k)[-self.top_k]
+            logits[logits < kth] = -np.inf
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        if self.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            keep = cumulative - probs[order] < self.top_p  # always keeps the most likely token
+            mask = np.zeros_like(probs, dtype=bool)
+            mask[order[keep]] = True
+            probs = np.where(mask, probs, 0.0)
+            probs /= probs.sum()
+        return int(self._rng.choice(probs.size, p=probs))

@@ -17,8 +17,9 @@ need (`InputStats`: H = mean xᵀx and mean |x| per channel; every algorithm her
 ||X Wᵀ - X Ŵᵀ||² through H, exactly and over all tokens). Groups are solved in order ("true sequential"), so a
 group's inputs already come through the quantized groups before it; finally the whole layer runs once more with
 its quantized weights and that output feeds the next layer, so every layer is calibrated on what the quantized
-model will really see. The per-sample runs are tasks on the conversion's executor (this process, a forked pool or
-Ray, docs/conversion.md); the statistics are summed here in sample order, so results do not depend on it.
+model will really see. The per-sample runs are tasks on the conversion's executor (this process, threads of it for
+a local pool, or Ray; docs/conversion.md); the statistics are summed here in sample order, so results do not depend
+on it.
 
 Solvers live in the scheme plugins; they read weights and publish results through `LayerState`.
 """
@@ -648,18 +649,18 @@ class _ThreadTasks:
 
 
 def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, list[_GroupPlan] | None, LayerValues]:
-    _STEP = _STEPS.table
-    if _STEP.get("token") != step.token:
+    table = _STEPS.table
+    if table.get("token") != step.token:
         module, family, spec = calibration_program(step.source)
         function = module[f"block_{step.layer}"]
         plans = None
         if step.groups is not None:
             found = _find_groups(function, family, spec, step.layer)
             plans = [found[g] for g in step.groups]
-        _STEP.clear()
-        _STEP.update(token=step.token, interp=_CaptureInterpreter(module, _FixedWeights(step.weights)),  # type: ignore[arg-type]
+        table.clear()
+        table.update(token=step.token, interp=_CaptureInterpreter(module, _FixedWeights(step.weights)),  # type: ignore[arg-type]
                      plans=plans, values=LayerValues.of(function))
-    return _STEP["interp"], _STEP["plans"], _STEP["values"]
+    return table["interp"], table["plans"], table["values"]
 
 
 def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None,

@@ -53,6 +53,7 @@ from topq.ir.int8 import QMAX, quantize_weight
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_hidden
 from topq.ir.rewrite import Rewriter, apply_patterns
+from topq.ir.threads import blas_threads, fixed_threads
 from topq.ir.types import TensorType, round_to_dtype
 from topq.quant.observers import Observer
 from topq.quant.program import ProgramSource, build_calibration_program, open_weights, program_source
@@ -575,7 +576,8 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
        instead of N.
 
     Its forwards (one per linear in 1, one per window in 2) run on `jobs` threads, each with an interpreter of its
-    own; their results are combined in order, so the outcome does not depend on `jobs`.
+    own and one BLAS thread (as the layer loop's); results are combined in order, so the outcome does not depend
+    on `jobs`.
     """
     module = cm.module
     rewrite_program(module, plan, cm.sites, dynamic)
@@ -636,56 +638,57 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
         total = sum(each(lambda w: nll(bf16, embed(w), w), windows))
         return math.exp(total / (len(windows) * (windows.shape[1] - 1)))
 
-    try:
-        reference = ppl(set(names))
-        limit = budget * reference
-        current = ppl(set())
-        report: dict[str, Any] = {"bf16_ppl": reference, "int8_ppl": current, "budget": budget}
-        chosen: list[str] = []
-        if current > limit:
-            probe = held_out[:SENSITIVITY_WINDOWS]
-            interp = mixed(set(names))
-            prefixes = []  # per probe window: the bf16 model's hidden state in front of every layer
-            for w in probe:
-                h, states = embed(w), []
-                for i in range(spec.num_layers):
-                    states.append(h)
-                    h = interp.run(f"block_{i}", [h, positions])[0]
-                prefixes.append(states)
-            tokens = len(probe) * (probe.shape[1] - 1)
+    with blas_threads(fixed_threads() or 1):  # parallel are the threads (`jobs`), as in the layer loop
+        try:
+            reference = ppl(set(names))
+            limit = budget * reference
+            current = ppl(set())
+            report: dict[str, Any] = {"bf16_ppl": reference, "int8_ppl": current, "budget": budget}
+            chosen: list[str] = []
+            if current > limit:
+                probe = held_out[:SENSITIVITY_WINDOWS]
+                interp = mixed(set(names))
+                prefixes = []  # per probe window: the bf16 model's hidden state in front of every layer
+                for w in probe:
+                    h, states = embed(w), []
+                    for i in range(spec.num_layers):
+                        states.append(h)
+                        h = interp.run(f"block_{i}", [h, positions])[0]
+                    prefixes.append(states)
+                tokens = len(probe) * (probe.shape[1] - 1)
 
-            bar = tqdm(total=len(names), desc="int8 sensitivity", unit="linear")
+                bar = tqdm(total=len(names), desc="int8 sensitivity", unit="linear")
 
-            def sensitivity(n: str) -> float:
-                layer = layer_of[n]
-                total = sum(nll(set(names) - {n}, states[layer], w, layer) for states, w in zip(prefixes, probe))
-                bar.update()
-                return total / tokens
+                def sensitivity(n: str) -> float:
+                    layer = layer_of[n]
+                    total = sum(nll(set(names) - {n}, states[layer], w, layer) for states, w in zip(prefixes, probe))
+                    bar.update()
+                    return total / tokens
 
-            damage = dict(zip(names, each(sensitivity, names)))
-            bar.close()
-            order = sorted(names, key=lambda n: -damage[n])
-            lo, hi = 0, len(order)  # invariant: keeping order[:hi] in bf16 meets the budget (all bf16 does)
-            results = {hi: reference, 0: current}
-            bar = tqdm(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision", unit="eval")
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                results[mid] = ppl(set(order[:mid]))
-                bar.set_postfix_str(f"{mid} bf16: ppl {results[mid]:.3f} / {limit:.3f}")
-                bar.update()
-                lo, hi = (lo, mid) if results[mid] <= limit else (mid, hi)
-            bar.close()
-            chosen, current = order[:hi], results[hi]
-            report["sensitivity"] = {n: round(damage[n], 6) for n in order}  # mean NLL with only n in int8
-        for n in chosen:
-            plan.modes[n] = "bf16"
-        int8_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names if plan.modes[n] == "int8")
-        all_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names)
-        report.update(final_ppl=current, bf16_linears=len(chosen),
-                      int8_weight_fraction=round(int8_params / all_params, 4) if all_params else 0.0)
-        return report
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+                damage = dict(zip(names, each(sensitivity, names)))
+                bar.close()
+                order = sorted(names, key=lambda n: -damage[n])
+                lo, hi = 0, len(order)  # invariant: keeping order[:hi] in bf16 meets the budget (all bf16 does)
+                results = {hi: reference, 0: current}
+                bar = tqdm(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision", unit="eval")
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    results[mid] = ppl(set(order[:mid]))
+                    bar.set_postfix_str(f"{mid} bf16: ppl {results[mid]:.3f} / {limit:.3f}")
+                    bar.update()
+                    lo, hi = (lo, mid) if results[mid] <= limit else (mid, hi)
+                bar.close()
+                chosen, current = order[:hi], results[hi]
+                report["sensitivity"] = {n: round(damage[n], 6) for n in order}  # mean NLL with only n in int8
+            for n in chosen:
+                plan.modes[n] = "bf16"
+            int8_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names if plan.modes[n] == "int8")
+            all_params = sum(int(np.prod(model.checkpoint.weights.shape(n))) for n in names)
+            report.update(final_ppl=current, bf16_linears=len(chosen),
+                          int8_weight_fraction=round(int8_params / all_params, 4) if all_params else 0.0)
+            return report
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _layers_of(module: Module, num_layers: int) -> dict[str, int]:

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from topq.core.bundle import Bundle
-    from topq.ir.threads import kernel_info, max_threads
+    from topq.ir.threads import kernel_info, kernel_name, max_threads
     from topq.plugins.targets.bm1684x import open_bundle
     from topq.plugins.targets.bm1684x.spec import BM1684X
 
@@ -206,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     for k in report["kernel"]:
-        print(f"kernel: {k['internal_api']} {k['version']} core type {k['architecture']} "
-              f"(OPENBLAS_CORETYPE={k['OPENBLAS_CORETYPE']}), default {default} threads, {os.cpu_count()} CPUs")
+        print(f"kernel: {kernel_name(k)}, default {default} threads, {os.cpu_count()} CPUs")
     print(f"{'runtime':<24}{'setting':<18}{'load':>5}{'tok/s':>9}{'ms/token':>10}{'loaded/idle':>13}")
     for r in rows:
         print(f"{r['runtime']:<24}{r['setting']:<18}{r['load']:>5}{r['tokens_per_s']:>9.2f}{r['ms_per_token']:>10.2f}"

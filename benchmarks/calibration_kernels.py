@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from threadpoolctl import threadpool_limits
 
-    from topq.ir.threads import kernel_info
+    from topq.ir.threads import kernel_info, kernel_name
 
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             bf16_ms = median_ms(operator.matmul, ta.bfloat16(), tb.bfloat16(), args.repeats)
             rows.append((what, f"[{m}, {k}] · [{k}, {n}]", numpy_ms, torch_ms, bf16_ms))
     for info in kernel_info():
-        print(f"kernel: {info['internal_api']} {info['version']} core type {info['architecture']} "
-              f"(OPENBLAS_CORETYPE={info['OPENBLAS_CORETYPE']}); torch {torch.__version__}, "
+        print(f"kernel: {kernel_name(info)}; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads; CPU flags: {cpu_flags()}")
     print(f"{args.threads} thread(s); load average before {load_before:.1f}, after {os.getloadavg()[0]:.1f}")
     print(f"| {'product':<28} | {'shape':<26} | numpy f32 ms | torch f32 ms | torch bf16 ms | torch f32 / numpy |")

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from topq.core.bundle import Bundle
     from topq.core.runtime import open_executor, perplexity
-    from topq.ir.threads import kernel_info, max_threads
+    from topq.ir.threads import kernel_info, kernel_name, max_threads
 
     directory = args.dir or Path(tempfile.mkdtemp(prefix="topq-eval-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     for k in report["kernel"]:
-        print(f"kernel: {k['internal_api']} {k['version']} core type {k['architecture']} "
-              f"(OPENBLAS_CORETYPE={k['OPENBLAS_CORETYPE']}), default {max_threads()} threads, {os.cpu_count()} CPUs")
+        print(f"kernel: {kernel_name(k)}, default {max_threads()} threads, {os.cpu_count()} CPUs")
     print(f"SmolLM2-135M, {args.windows} x {WINDOW} tokens of {args.text.name}; load average before "
           f"{load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
     print(f"| {'runtime':<22} | {'lm_head':<12} | {'tokens':>6} | {'seconds':>8} | {'lm_head calls':>13} | "

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from topq.core.bundle import Bundle
     from topq.core.runtime import perplexity
-    from topq.ir.threads import kernel_info
+    from topq.ir.threads import kernel_info, kernel_name
 
     keys = [k for k in args.rows.split(",") if k]
     unknown = sorted(set(keys) - set(ROWS))
@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     for k in report["kernel"]:
-        print(f"kernel: {k['internal_api']} {k['version']} core type {k['architecture']} "
-              f"(OPENBLAS_CORETYPE={k['OPENBLAS_CORETYPE']}), {k['num_threads']} threads")
+        print(f"kernel: {kernel_name(k)}, {k['num_threads']} threads")
     print(f"SmolLM2-135M, calibration {args.samples} x {args.seq_len} EMMA, eval {args.eval_windows} x {args.window} "
           f"Persuasion, w4 g64 asym; --jobs {args.jobs} (one BLAS thread each); load average before "
           f"{load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")

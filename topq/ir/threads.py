@@ -88,3 +88,9 @@ def kernel_info() -> list[dict[str, Any]]:
                                                        "num_threads", "filepath")})
     forced = os.environ.get("OPENBLAS_CORETYPE")
     return [{**row, "OPENBLAS_CORETYPE": forced} for row in rows]
+
+
+def kernel_name(info: dict[str, Any]) -> str:
+    """One `kernel_info` row as benchmarks print it: library, version, core type and any forced core type."""
+    return (f"{info['internal_api']} {info['version']} core type {info['architecture']} "
+            f"(OPENBLAS_CORETYPE={info['OPENBLAS_CORETYPE']})")

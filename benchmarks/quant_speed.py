@@ -12,15 +12,18 @@ calibration text. Each conversion runs in a child process of its own: "seconds" 
 calibration, solve, bundle), "peak RSS" the child's `ru_maxrss` from `wait4`; perplexity is measured after, in
 this process, on the bundle.
 
-Peers: llm-compressor (GPTQ, AWQ) and auto-round are run only when importable in this Python; they are not
-topq's dependencies and are not installed by it. When absent their rows say so (`not installed`).
+Peers: llm-compressor (GPTQ with static act-order, AWQ) and auto-round run in their own Python, `--peer-python`
+(default `.venv-peers/bin/python`, made by `bash benchmarks/setup_peers.sh`: llm-compressor pins another
+transformers than topq's). They are not topq's dependencies. Each peer run is a child process
+(`benchmarks/peer_quant.py`) given the GGUF, the calibration windows topq sampled and the evaluation ids, so both
+tools see the same tokens; its seconds are load + quantize, its perplexity is computed by transformers on its
+fake-quantized float32 model. Without that Python the peer rows say `not installed`.
 The kernel line says which BLAS ran; note the load average printed beside the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -29,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -39,12 +44,18 @@ from benchmarks.quant_quality import add_setting_arguments, build_recipe  # noqa
 #: row key → (method, scheme, extra quant options); AutoRound's steps come from --iters
 ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gptq": ("GPTQ act-order", "gptq", {"act_order": True}),
+    "gptq-static": ("GPTQ act-order, static groups", "gptq", {"act_order": True, "static_groups": True}),
+    # as llm-compressor keeps a float32 model: scales and lm_head in float32 (topq's default is bf16 for both)
+    "gptq-static-f32": ("GPTQ act-order, static, f32 scales + lm_head", "gptq",
+                        {"act_order": True, "static_groups": True, "act_dtype": "f32", "lm_head": "f32"}),
     "awq": ("AWQ (scale + clip)", "awq", {"clip": True}),
     "autoround": ("AutoRound", "autoround", {}),
     "int8": ("INT8 mixed precision (budget 1.05)", "int8", {"observer": "minmax", "budget": 1.05}),
 }
-PEERS = {"gptq": ("llm-compressor", "llmcompressor"), "awq": ("llm-compressor", "llmcompressor"),
-         "autoround": ("auto-round", "auto_round")}
+# row key → (peer tool, its module, peer_quant.py's method); llm-compressor's GPTQ default is `actorder: static`
+PEERS = {"gptq-static": ("llm-compressor", "llmcompressor", "gptq"), "awq": ("llm-compressor", "llmcompressor", "awq"),
+         "autoround": ("auto-round", "auto_round", "autoround")}
+PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 
 def convert_one(args: argparse.Namespace) -> int:
@@ -84,6 +95,49 @@ def run_child(args: argparse.Namespace, key: str, out: Path, root: Path = ROOT) 
     return {"seconds": round(seconds, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}  # ru_maxrss is KiB
 
 
+def peer_importable(python: Path, module: str) -> bool:
+    if not python.exists():
+        return False
+    return subprocess.run([str(python), "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def calibration_tokens(args: argparse.Namespace, out_dir: Path) -> np.ndarray:
+    """The calibration windows topq's conversions read (the same recipe setting), for the peers."""
+    from topq.core.pipeline import load_model
+    from topq.quant.calibration import calibration_windows
+
+    recipe = build_recipe(args, "gptq", out_dir / "windows.topq")
+    return calibration_windows(load_model(recipe), recipe, progress=False)
+
+
+def model_file(model: str) -> str:
+    """The GGUF's path for the peers (`pkg:` paths name a file inside an installed package)."""
+    from topq.io.files import package_file
+
+    return package_file(model) if model.startswith("pkg:") else model
+
+
+def run_peer(args: argparse.Namespace, method: str, windows: Path, ids: Path) -> dict[str, Any]:
+    """One peer quantization in the peers' Python: its perplexity, load + quantize seconds and peak RSS."""
+    argv = [str(args.peer_python), str(ROOT / "benchmarks" / "peer_quant.py"), "--method", method,
+            "--model", model_file(args.model), "--hf-dir", str(windows.parent / "peer-model"),
+            "--windows", str(windows), "--eval", str(ids), "--window", str(args.window),
+            "--iters", str(args.peer_iters)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.jobs)}  # torch's threads: as many as topq's jobs
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if child.returncode != 0:
+            raise SystemExit(f"{method} ({args.peer_python}): failed ({child.returncode}):\n"
+                             f"{err.read().decode(errors='replace')[-3000:]}")
+        result = json.loads(out.read().decode().strip().splitlines()[-1])
+    return {"perplexity": round(result["perplexity"], 3), "seconds": round(result["seconds"], 1),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+
+
 SETTING = ("model", "calibration", "eval_text", "samples", "seq_len", "seed", "eval_windows", "window", "iters",
            "jobs")
 
@@ -107,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, help="keep bundles here (default: a temp dir)")
     p.add_argument("--baseline", type=Path, help="also convert each row with the topq of this checkout (the "
                    "reference run: same machine, same process, rows interleaved)")
+    p.add_argument("--peer-python", type=Path, default=PEER_PYTHON,
+                   help="the Python where llm-compressor / auto-round are installed (benchmarks/setup_peers.sh)")
+    p.add_argument("--peer-iters", type=int, default=50, help="auto-round's steps (the issue's peer row: 50)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--one", choices=sorted(ROWS), help=argparse.SUPPRESS)  # child mode
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -129,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     ids: list[int] | None = None
+    peer_files: tuple[Path, Path] | None = None  # calibration windows and eval ids for the peers (.npy)
     runs = [("topq", ROOT)] + ([("topq baseline", args.baseline.resolve())] if args.baseline else [])
     for key in keys:
         method = ROWS[key][0] + (f" ({args.iters} steps)" if key == "autoround" else "")
@@ -142,13 +200,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{method:<40} {tool}  ppl {ppl:8.3f}  {measured['seconds']:8.1f} s  "
                   f"{measured['peak_rss_mib']:8.1f} MiB", file=sys.stderr, flush=True)
         if key in PEERS:
-            tool, module = PEERS[key]
-            if importlib.util.find_spec(module) is None:
+            tool, module, peer_method = PEERS[key]
+            if not peer_importable(args.peer_python, module):
                 rows.append({"method": method, "tool": tool, "perplexity": None, "seconds": None,
                              "peak_rss_mib": None, "note": "not installed"})
-            else:  # a peer runner needs the transformers model from the GGUF and the same windows: not written yet
-                rows.append({"method": method, "tool": tool, "perplexity": None, "seconds": None,
-                             "peak_rss_mib": None, "note": "installed, but this benchmark has no runner for it"})
+                continue
+            if peer_files is None:
+                assert ids is not None
+                peer_files = (out_dir / "windows.npy", out_dir / "eval.npy")
+                np.save(peer_files[0], calibration_tokens(args, out_dir).astype(np.int32))
+                np.save(peer_files[1], np.asarray(ids, dtype=np.int32))
+            measured = run_peer(args, peer_method, *peer_files)
+            rows.append({"method": method, "tool": tool, **measured})
+            print(f"{method:<40} {tool}  ppl {measured['perplexity']:8.3f}  {measured['seconds']:8.1f} s  "
+                  f"{measured['peak_rss_mib']:8.1f} MiB", file=sys.stderr, flush=True)
     report = {"setting": {name: str(getattr(args, name)) for name in SETTING}, "kernel": kernel_info(),
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "rows": rows}
     tmp.cleanup()

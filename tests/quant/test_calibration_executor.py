@@ -22,6 +22,7 @@ STAGES = {"seq_length": 32, "max_input_length": 16, "decode_chunks": [32]}
 CALIBRATION = {"samples": 6, "seq_len": 16}
 QUANT: dict[str, dict[str, Any]] = {
     "gptq": {"group_size": 32},
+    "awq": {"group_size": 32},  # its scale and clip candidates run on the threads of --jobs 2 (GroupInputs.map)
     "int8": {"observer": "kl", "smooth_alpha": 0.5},
 }
 
@@ -102,11 +103,12 @@ def ray_instance() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.mark.parametrize("scheme", ["gptq", "int8"])
+@pytest.mark.parametrize("scheme", ["gptq", "awq", "int8"])
 def test_calibrated_bundles_are_identical_for_every_executor(tiny: Path, tmp_path: Path, scheme: str,
                                                              ray_instance: None,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """--jobs 1, --jobs 2 (forked pool) and Ray give the same bytes, calibration included.
+    """--jobs 1, --jobs 2 (the layer loop's tasks and solver candidates on threads) and Ray give the same bytes,
+    calibration included.
 
     The Ray run also proves its unit workers do not calibrate again: as soon as the converting process has read
     the calibration data, the file is moved away, so a worker that re-ran `prepare`'s calibration (instead of

@@ -5,6 +5,7 @@ Objective everywhere: the layer-output error ||X Wᵀ - X Ŵᵀ||² on calibrati
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -139,6 +140,20 @@ def test_gptq_act_order_groups(problem: Any) -> None:
     assert err(w, qw.dequantize(), h) < err(w, rtn(w, 4, 32, False).dequantize(), h)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_static_groups_take_rtn_parameters(problem: Any, act_order: bool) -> None:
+    """Static groups: plain column groups whose scale / zero are min/max round-to-nearest's of the unsolved W,
+    while the codes still carry GPTQ's error compensation (in activation order with act_order)."""
+    w, _, h = problem
+    base = rtn(w, 4, 32, False)
+    qw = gptq(w, h, 4, 32, False, act_order=act_order, static_groups=True)
+    assert qw.g_idx is None and qw.spec.act_order is False
+    np.testing.assert_array_equal(qw.scales, base.scales)
+    np.testing.assert_array_equal(qw.zeros, base.zeros)
+    assert (qw.codes != base.codes).mean() > 0.2  # not RTN: the solver moved codes
+    assert err(w, qw.dequantize(), h) < 0.75 * err(w, base.dequantize(), h)
+
+
 def test_gptq_dead_inputs_and_shape_errors() -> None:
     w = np.random.default_rng(5).normal(size=(4, 32)).astype(np.float32)
     x = correlated_inputs(32, 256, seed=6)
@@ -164,6 +179,24 @@ def test_awq_beats_rtn_with_outlier_channels(problem: Any) -> None:
     assert found is not None
     effective = qw.dequantize() / found.scales  # the caller divides the input by s
     assert err(w, effective, h) < 0.8 * base
+
+
+def test_awq_candidates_on_threads_give_the_serial_result(problem: Any) -> None:
+    """`map_fn` (GroupInputs.map: the layer loop's threads) only spreads the candidates; the choice is the same."""
+    w, x, h = problem
+    calls: list[int] = []
+
+    def threaded(fn: Any, items: Any) -> list[Any]:
+        items = list(items)
+        calls.append(len(items))
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(fn, items))
+
+    serial, _ = awq(w, h, np.abs(x).mean(axis=0), 4, 32, False, clip=True)
+    spread, _ = awq(w, h, np.abs(x).mean(axis=0), 4, 32, False, clip=True, map_fn=threaded)
+    assert calls == [20, 10]  # the scale grid, then the clip grid
+    for a, b in ((serial.codes, spread.codes), (serial.scales, spread.scales), (serial.zeros, spread.zeros)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_awq_tied_scales_are_equal_across_tied_channels(problem: Any) -> None:

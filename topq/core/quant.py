@@ -95,7 +95,12 @@ class QuantizedWeight:
 
 class InputObserver(Protocol):
     """Statistics of one linear input over calibration data: `add` is called once per calibration sample, in
-    sample order, with that sample's inputs x [tokens, K]."""
+    sample order, with that sample's inputs x [tokens, K].
+
+    An observer whose costly work is a pure function of one sample may split `add` in two: a static method
+    `summarize(x)` (run in the layer loop's tasks, in parallel; picklable, for executors of other processes) and
+    `add_summary(summary)` (run in sample order), with `add(x)` ≡ `add_summary(summarize(x))`. `InputStats` does
+    so: its per-sample Gram product is most of a calibrated conversion's arithmetic."""
 
     def add(self, x: np.ndarray) -> None: ...
 

@@ -31,8 +31,9 @@ import math
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -228,11 +229,22 @@ class InputStats:
         self.count = 0
 
     def add(self, x: np.ndarray) -> None:
-        x2 = np.asarray(x, dtype=np.float32).reshape(-1, self.k)
-        # float32 GEMM per sample (fast), accumulated across samples in float64 (no drift over many samples).
-        self.gram += x2.T @ x2
-        self.abs_sum += np.abs(x2).sum(axis=0, dtype=np.float64)
-        self.count += x2.shape[0]
+        self.add_summary(self.summarize(x))
+
+    @staticmethod
+    def summarize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """One sample's share: its float32 Gram xᵀx (the costly part; the layer loop's tasks compute it in
+        parallel), Σ|x| and its token count."""
+        x2 = np.asarray(x, dtype=np.float32)
+        x2 = x2.reshape(-1, x2.shape[-1])
+        return x2.T @ x2, np.abs(x2).sum(axis=0, dtype=np.float64), x2.shape[0]
+
+    def add_summary(self, summary: tuple[np.ndarray, np.ndarray, int]) -> None:
+        gram, abs_sum, count = summary
+        # float32 GEMM per sample (fast), accumulated across samples in float64 (no drift over many samples)
+        self.gram += gram
+        self.abs_sum += abs_sum
+        self.count += count
 
     def hessian(self) -> np.ndarray:
         """H = mean xᵀx [K, K]: ||X Wᵀ - X Ŵᵀ||² / tokens = Σ_n ΔW_n H ΔW_nᵀ."""
@@ -368,9 +380,20 @@ class LayerState:
 # ================================================================================ the graph side
 
 
+MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], list[Any]]
+
+
+def serial_map(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    return [fn(item) for item in items]
+
+
 @dataclass
 class GroupInputs:
-    """One quant group of one layer as a solver sees it."""
+    """One quant group of one layer as a solver sees it.
+
+    `map(fn, items)` is `[fn(item) for item in items]`, run on the layer loop's jobs when it has threads (the
+    solver's independent parts, e.g. AWQ's candidates: the loop's tasks wait for the solver). Each call runs on one
+    BLAS thread, whatever thread runs it, so the results are those of the serial loop."""
 
     layer: int
     keys: tuple[str, ...]
@@ -378,6 +401,7 @@ class GroupInputs:
     stats: Any  # what the scheme's `observe` made (default InputStats)
     fold: FoldTarget | None = None
     tokens: int = 0  # calibration tokens that reached this input (an expert's coverage)
+    map: MapFn = serial_map
 
 
 @dataclass
@@ -575,14 +599,28 @@ def stacked_solver(solve: WeightSolver) -> GroupSolver:
     return solve_group
 
 
-class _Captured:
-    """Stands in for InputStats in a calibration task: keeps the captured inputs, for the parent to add in order."""
+Summarize = Callable[[np.ndarray], Any]
 
-    def __init__(self) -> None:
-        self.items: list[np.ndarray] = []
+
+def summarizer(observer: Any) -> Summarize | None:
+    """The observer's `summarize` if its class has one (`topq.core.quant.InputObserver`): picklable, so that any
+    executor's tasks can run it."""
+    summarize = getattr(type(observer), "summarize", None)
+    return summarize if callable(summarize) and hasattr(observer, "add_summary") else None
+
+
+class _Captured:
+    """Stands in for a group's observer in a calibration task: keeps, per captured input, its token count and the
+    input itself or — when the observer can summarize — its summary, for the parent to add in sample order."""
+
+    def __init__(self, summarize: Summarize | None) -> None:
+        self.summarize = summarize
+        self.items: list[tuple[int, Any]] = []
 
     def add(self, x: np.ndarray) -> None:
-        self.items.append(np.asarray(x, dtype=np.float32))
+        x = np.asarray(x, dtype=np.float32)
+        tokens = int(np.prod(x.shape[:-1]))
+        self.items.append((tokens, x if self.summarize is None else self.summarize(x)))
 
 
 class _FixedWeights:
@@ -606,6 +644,7 @@ class _LayerStep:
     source: ProgramSource
     layer: int
     groups: tuple[int, ...] | None  # captured together (`_batches`); None: the layer output
+    summarizers: tuple[Summarize | None, ...]  # per captured group: what a task sends back (`_Captured`)
     weights: dict[str, np.ndarray]  # every weight block_{layer} reads, as the model computes with it now
     changed: frozenset[str] = frozenset()  # weights written since the layer's previous step
     pending: frozenset[str] = frozenset()  # weights of the groups not solved yet (this step's included)
@@ -636,7 +675,19 @@ class _ThreadTasks:
         self._pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="topq-calibrate")
 
     def map(self, fn: Callable[..., Any], tasks: Sequence[tuple[Any, ...]]) -> Iterator[Any]:
-        return (future.result() for future in [self._pool.submit(fn, *task) for task in tasks])
+        """Results in task order, with at most 2 × jobs tasks ahead of the consumer: finished results wait for it,
+        and an input summary can be a [K, K] Gram per sample."""
+        ahead: deque[Future[Any]] = deque()
+        for task in tasks:
+            if len(ahead) >= 2 * self.jobs:
+                yield ahead.popleft().result()
+            ahead.append(self._pool.submit(fn, *task))
+        while ahead:
+            yield ahead.popleft().result()
+
+    def map_list(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """`GroupInputs.map` on these threads."""
+        return list(self._pool.map(fn, items))
 
     def share(self, obj: Any) -> Any:
         return obj
@@ -689,7 +740,7 @@ def _run_layer_task(step: _LayerStep, start: int, stop: int, rows: np.ndarray | 
             interp.reuse(values, values.still_valid(cache, step.changed), values.outputs, frozenset())
             out.append((interp.run(name, [h[None], positions, *valid])[0][0], {}))
         return out
-    captured = [_Captured() for _ in plans]
+    captured = [_Captured(summarize) for summarize in step.summarizers]
     interp.capture(plans, captured)  # type: ignore[arg-type]
     at = values.at(_capture_point(plans[0]))
     targets = frozenset((at, *values.producers[at]))  # the tap reads the capture op's operands and results
@@ -709,9 +760,9 @@ def _run_layer_task(step: _LayerStep, start: int, stop: int, rows: np.ndarray | 
 
 
 def _chunk_size(executor: TaskExecutor, samples: int) -> int:
-    """Samples per task: one in this process (nothing to amortise, memory stays at one sample); else a few tasks
-    per worker, enough to balance the load while keeping the per-task overhead small."""
-    if isinstance(executor, InlineExecutor):
+    """Samples per task: one in this process or on its threads (nothing to amortise, memory stays at a few
+    samples); else a few tasks per worker, enough to balance the load while keeping the per-task overhead small."""
+    if isinstance(executor, InlineExecutor | _ThreadTasks):
         return 1
     return max(1, math.ceil(samples / (4 * max(1, int(executor.jobs)))))
 
@@ -752,9 +803,10 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     received fewer than `expert_min_tokens` is rounded to nearest instead (`_solve_expert`).
 
     The per-sample work — running the layer up to a group's input, and the quantized layer's forward — runs as
-    tasks on `executor` (default: this process). Tasks return the captured inputs / outputs and this process adds
-    them to the statistics in sample order, so every float sum happens in the same order whatever ran the tasks
-    (identical results for any executor and job count). The solvers run here, between steps; each step's tasks
+    tasks on `executor` (default: this process). Tasks return the captured inputs (or, for an observer with a
+    `summarize`, each input's summary: `InputStats`' Gram products then run in the tasks) and the outputs, and this
+    process adds them to the statistics in sample order, so every float sum happens in the same order whatever ran
+    the tasks (identical results for any executor and job count). The solvers run here, between steps; each step's tasks
     get the layer's weights as they are at that point (`TaskExecutor.share`). `observe(k)` makes each group's
     statistics (`GroupInputs.stats`; default `InputStats`)."""
     executor = executor if executor is not None else InlineExecutor()
@@ -773,6 +825,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     # whoever runs it, so that the results do not depend on the executor or the job count
     tasks = _ThreadTasks(executor.jobs) if executor.name == "local" and executor.jobs > 1 else executor
     chunk = _chunk_size(tasks, samples)
+    solver_map = tasks.map_list if isinstance(tasks, _ThreadTasks) else serial_map
     bar = tqdm(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
     with blas_threads(fixed_threads() or 1):
         try:
@@ -781,11 +834,12 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                 caches: list[Cache] = [{} for _ in range(samples)]  # per sample: values the next run reuses
                 read_at = [state.version]
 
-                def step(groups: tuple[int, ...] | None, layer: int = layer, reads: list[str] = reads,
-                         layer_plans: list[_GroupPlan] = layer_plans, read_at: list[int] = read_at) -> _LayerStep:
+                def step(groups: tuple[int, ...] | None, summarizers: tuple[Summarize | None, ...] = (),
+                         layer: int = layer, reads: list[str] = reads, layer_plans: list[_GroupPlan] = layer_plans,
+                         read_at: list[int] = read_at) -> _LayerStep:
                     rest = layer_plans[groups[0]:] if groups is not None else []
                     changed, read_at[0] = state.written_since(read_at[0]), state.version
-                    return _LayerStep(uuid.uuid4().hex, source, layer, groups,
+                    return _LayerStep(uuid.uuid4().hex, source, layer, groups, summarizers,
                                       {n: state.current_weight(n) for n in reads}, changed,
                                       frozenset(n for p in rest for n in p.names),
                                       frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n))
@@ -793,14 +847,18 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                 for batch in _batches(layer_plans):
                     bar.set_postfix_str(f"layer {layer} {'/'.join(layer_plans[batch[0]].keys)}")
                     stats = [observe(layer_plans[g].k) for g in batch]
+                    summarizers = tuple(summarizer(st) for st in stats)
                     tokens = [0] * len(batch)
-                    for xs in _map_samples(tasks, step(batch), hidden, caches, chunk):
-                        for i, (st, x) in enumerate(zip(stats, xs)):
-                            st.add(x)
-                            tokens[i] += int(np.prod(np.shape(x)[:-1]))
+                    for xs in _map_samples(tasks, step(batch, summarizers), hidden, caches, chunk):
+                        for i, (st, summarize, (seen, x)) in enumerate(zip(stats, summarizers, xs)):
+                            if summarize is None:
+                                st.add(x)
+                            else:  # the task summarized x (`_Captured`)
+                                st.add_summary(x)
+                            tokens[i] += seen
                     for g, st, seen in zip(batch, stats, tokens):
                         plan = layer_plans[g]
-                        group = GroupInputs(layer, plan.keys, plan.names, st, plan.fold, seen)
+                        group = GroupInputs(layer, plan.keys, plan.names, st, plan.fold, seen, solver_map)
                         if plan.expert is None:
                             solve(group, state, options)
                         else:
@@ -936,7 +994,9 @@ def calibration_scheme(name: str, description: str, *, solve: WeightSolver | Non
 
     def product(quant: Mapping[str, Any]) -> SchemeProduct:
         bits = 4 if quant.get("bits") is None else int(quant["bits"])
-        return SchemeProduct(act_dtype(quant), (bits,), act_order=bool(read_options(quant).get("act_order")))
+        own = read_options(quant)  # act_order permutes the groups (a g_idx) unless they are static
+        return SchemeProduct(act_dtype(quant), (bits,),
+                             act_order=bool(own.get("act_order")) and not own.get("static_groups"))
 
     def calibrate(model: LoadedModel, recipe: Recipe, *, executor: TaskExecutor | None = None) -> CalibrationResult:
         options = options_of(recipe.to_dict()["quant"])

@@ -25,15 +25,19 @@ def tiny_with_calibration(tmp_path_factory: pytest.TempPathFactory, tiny_checkpo
     return d
 
 
-@pytest.mark.parametrize("scheme", ["gptq", "awq", "autoround"])
-def test_algorithm_runs_on_bm1684x_like_host(tiny_with_calibration: Path, scheme: str) -> None:
+# act-order GPTQ with static groups has plain groups (no g_idx), which bm1684x stores; permuted ones it refuses
+@pytest.mark.parametrize(("scheme", "options"), [("gptq", {}), ("gptq", {"act_order": True, "static_groups": True}),
+                                                 ("awq", {}), ("autoround", {})], ids=["gptq", "gptq-static-act-order",
+                                                                                      "awq", "autoround"])
+def test_algorithm_runs_on_bm1684x_like_host(tiny_with_calibration: Path, scheme: str,
+                                             options: dict[str, bool]) -> None:
     d = tiny_with_calibration
     logits = {}
     for chip in ("host", "bm1684x"):
-        out = d / f"{scheme}_{chip}.topq"
+        out = d / f"{scheme}{len(options)}_{chip}.topq"
         recipe = recipe_from_defaults(
             model={"path": str(d)}, target={"chip": chip}, output={"path": str(out)},
-            quant={"scheme": scheme, "group_size": 32, "iters": 20,
+            quant={"scheme": scheme, "group_size": 32, "iters": 20, **options,
                    "calibration": {"data": str(d / "calib.ids"), "samples": 4, "seq_len": 32}},
             stages={"seq_length": 64, "max_input_length": 16})
         convert(recipe, progress=False)

@@ -29,7 +29,9 @@ from topq.quant.calibration import (
     FoldTarget,
     GroupInputs,
     LayerState,
+    MapFn,
     calibration_scheme,
+    serial_map,
 )
 from topq.quant.grid import (
     check_bits,
@@ -59,11 +61,12 @@ class ScaleSearch:
 
 def awq_scale_search(w: np.ndarray, h: np.ndarray, x_abs_mean: np.ndarray, bits: int = 4,
                      group_size: int | None = 128, symmetric: bool = False, n_grid: int = N_GRID,
-                     tie: np.ndarray | None = None) -> ScaleSearch:
+                     tie: np.ndarray | None = None, map_fn: MapFn = serial_map) -> ScaleSearch:
     """Best s = mean|x|^α (α = i / n_grid) for weights w [N, K] (linears sharing an input, stacked).
 
     Loss of a candidate: ||X Wᵀ - X (Q(W·s)/s)ᵀ||² through H. `tie` [K] → producer channel: s is computed per
-    producer channel (mean of the tied |x| means) and broadcast, so it can be folded (grouped-query attention)."""
+    producer channel (mean of the tied |x| means) and broadcast, so it can be folded (grouped-query attention).
+    Candidates are scored with `map_fn` (independent; `GroupInputs.map`) and compared in grid order."""
     w = np.asarray(w, dtype=np.float64)
     bits = check_bits(bits)
     k = w.shape[1]
@@ -73,27 +76,32 @@ def awq_scale_search(w: np.ndarray, h: np.ndarray, x_abs_mean: np.ndarray, bits:
         counts = np.bincount(tie)
         x = np.bincount(tie, weights=x, minlength=counts.size) / np.maximum(counts, 1)
     h32 = np.asarray(h, dtype=np.float32)
-    losses = np.empty(n_grid)
-    best: tuple[float, np.ndarray, float] | None = None
-    for i in range(n_grid):
-        ratio = i / n_grid
-        s_fold = np.maximum(x ** ratio, 1e-4)
+
+    def score(i: int) -> tuple[float, np.ndarray]:
+        s_fold = np.maximum(x ** (i / n_grid), 1e-4)
         s_fold = s_fold / np.sqrt(s_fold.max() * s_fold.min())  # keep the scaled weights' magnitude centred
         s = s_fold[tie] if tie is not None else s_fold
         w_hat = fake_quant(w * s, bits, gs, symmetric)
         w_hat /= s
-        losses[i] = _errors(w, w_hat, h32)
-        if best is None or losses[i] < best[0]:
-            best = (losses[i], s_fold, ratio)
+        return _errors(w, w_hat, h32), s_fold
+
+    losses = np.empty(n_grid)
+    best: tuple[float, np.ndarray, float] | None = None
+    for i, (loss, s_fold) in enumerate(map_fn(score, range(n_grid))):
+        losses[i] = loss
+        if best is None or loss < best[0]:
+            best = (loss, s_fold, i / n_grid)
     assert best is not None
     _, s_fold, ratio = best
     return ScaleSearch(s_fold[tie] if tie is not None else s_fold, s_fold, ratio, losses)
 
 
 def awq_clip_search(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 128,
-                    symmetric: bool = False, n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK) -> np.ndarray:
+                    symmetric: bool = False, n_grid: int = N_GRID, max_shrink: float = MAX_SHRINK,
+                    map_fn: MapFn = serial_map) -> np.ndarray:
     """Per (row, group) range shrink factor r ∈ {1, 1 - 1/n_grid, ...} minimising that group's share of the
-    output error, d_g H_gg d_gᵀ (H_gg: the group's diagonal block of H). Returns r [N, G]."""
+    output error, d_g H_gg d_gᵀ (H_gg: the group's diagonal block of H). Returns r [N, G]. Candidates are scored
+    with `map_fn` and compared in order."""
     w = np.asarray(w, dtype=np.float64)
     n, k = w.shape
     gs = resolve_group_size(group_size, k)
@@ -102,10 +110,13 @@ def awq_clip_search(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int
     blocks = np.stack([h[j * gs:(j + 1) * gs, j * gs:(j + 1) * gs] for j in range(g)])  # [G, gs, gs]
     best_err = np.full((n, g), np.inf)
     best_r = np.ones((n, g))
-    for i in range(int(max_shrink * n_grid)):
-        r = 1.0 - i / n_grid
+
+    def score(r: float) -> np.ndarray:
         d = (w - fake_quant(w, bits, gs, symmetric, shrink=r)).reshape(n, g, gs).transpose(1, 0, 2)  # [G, N, gs]
-        err = np.einsum("gni,gni->ng", d @ blocks, d)
+        return np.einsum("gni,gni->ng", d @ blocks, d)
+
+    shrinks = [1.0 - i / n_grid for i in range(int(max_shrink * n_grid))]
+    for r, err in zip(shrinks, map_fn(score, shrinks)):
         better = err < best_err
         best_err[better], best_r[better] = err[better], r
     return best_r
@@ -113,17 +124,20 @@ def awq_clip_search(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int
 
 def awq(w: np.ndarray, h: np.ndarray, x_abs_mean: np.ndarray, bits: int = 4, group_size: int | None = 128,
         symmetric: bool = False, clip: bool = True, scale: bool = True, tie: np.ndarray | None = None,
-        no_clip_rows: np.ndarray | None = None) -> tuple[QuantizedWeight, ScaleSearch | None]:
+        no_clip_rows: np.ndarray | None = None,
+        map_fn: MapFn = serial_map) -> tuple[QuantizedWeight, ScaleSearch | None]:
     """AWQ for stacked linears w [N, K] sharing an input: returns the quantized W·diag(s) and the scale search
     (None when `scale` is off). The caller must divide the input by s (fold 1/s into its producer)."""
     w = np.asarray(w, dtype=np.float64)
-    search = awq_scale_search(w, h, x_abs_mean, bits, group_size, symmetric, tie=tie) if scale else None
+    search = awq_scale_search(w, h, x_abs_mean, bits, group_size, symmetric, tie=tie, map_fn=map_fn) \
+        if scale else None
     s = search.scales if search is not None else np.ones(w.shape[1])
     w_s = w * s
     shrink = None
     if clip:
         # Inputs are x / s now: H in that space is H / (s sᵀ).
-        shrink = awq_clip_search(w_s, np.asarray(h, dtype=np.float64) / np.outer(s, s), bits, group_size, symmetric)
+        shrink = awq_clip_search(w_s, np.asarray(h, dtype=np.float64) / np.outer(s, s), bits, group_size, symmetric,
+                                 map_fn=map_fn)
         if no_clip_rows is not None:
             shrink[no_clip_rows] = 1.0
     return quantize_groups(w_s, bits, group_size, symmetric, shrink=shrink), search
@@ -157,7 +171,7 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
     fold = group.fold
     qw, search = awq(stacked, h, group.stats.abs_mean(), options["bits"], options["group_size"],
                      options["symmetric"], clip=options["clip"], scale=fold is not None,
-                     tie=fold.tie if fold is not None else None, no_clip_rows=rows)
+                     tie=fold.tie if fold is not None else None, no_clip_rows=rows, map_fn=group.map)
     state.set_quantized_rows(group.names, qw)
     s = np.ones(stacked.shape[1])
     if search is not None and fold is not None:

@@ -66,12 +66,18 @@ def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
 
 
 def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
-         act_order: bool = False, damp: float = 0.01, block_size: int = 128) -> QuantizedWeight:
+         act_order: bool = False, damp: float = 0.01, block_size: int = 128,
+         static_groups: bool = False) -> QuantizedWeight:
     """Quantize W [N, K] minimising ||X Wᵀ - X Ŵᵀ||² for inputs with H = XᵀX (any positive multiple works).
 
     act_order: columns are processed by decreasing diag(H) (the most active inputs first, while most
-    columns can still absorb their error); groups are formed in that order ("static groups" off, as the
-    reference), so `g_idx[k]` = (position of column k in the order) // group_size.
+    columns can still absorb their error); groups are formed in that order, so `g_idx[k]` = (position of
+    column k in the order) // group_size, and each group's parameters come from its weights as updated when the
+    solver reaches it (the reference).
+
+    static_groups: each group's parameters come from the weights before any update, groups in column order
+    (AutoGPTQ's `static_groups`, llm-compressor's `actorder: static`); with act_order the columns are still
+    solved in activation order, and the result has plain groups (no g_idx), which every target runs.
     """
     w = np.asarray(w, dtype=np.float64)
     h = np.asarray(h, dtype=np.float64)
@@ -97,6 +103,10 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
     scales = np.zeros((k // gs, n), dtype=np.float64)
     zeros = np.zeros((k // gs, n), dtype=np.float64)
     scale = zero = np.zeros(n)
+    if static_groups:  # [groups, N], from the weights before any update (dead columns as zeros)
+        groups = np.where(dead[:, None], 0.0, w.T).reshape(k // gs, gs, n)
+        scales, zeros = params_from_range(groups.min(axis=1), groups.max(axis=1), bits, symmetric)
+        group_of = perm // gs  # the group of the column solved at each position
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1 = Wt[i1:i2].copy()
@@ -104,7 +114,9 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % gs == 0:
+            if static_groups:
+                scale, zero = scales[group_of[col]], zeros[group_of[col]]
+            elif col % gs == 0:
                 # Group parameters from the weights as updated so far (all earlier error already folded in).
                 group = np.concatenate([W1[i:i + gs], Wt[i2:col + gs]], axis=0)
                 scale, zero = params_from_range(group.min(axis=0), group.max(axis=0), bits, symmetric)
@@ -122,6 +134,8 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
         return make_quantized(codes, scales, zeros, bits, gs, symmetric)
     out = np.empty_like(codes)
     out[:, perm] = codes
+    if static_groups:
+        return make_quantized(out, scales, zeros, bits, gs, symmetric)
     g_idx = np.empty(k, dtype=np.int32)
     g_idx[perm] = np.arange(k) // gs
     return make_quantized(out, scales, zeros, bits, gs, symmetric, g_idx=g_idx)
@@ -134,19 +148,21 @@ def solve(weight: np.ndarray, stats: InputStats, options: Mapping[str, Any]) -> 
     """GPTQ for linears sharing an input (stacked along N: every row sees the same H, so one call solves them)."""
     return gptq(weight, stats.hessian(), bits=options["bits"], group_size=options["group_size"],
                 symmetric=options["symmetric"], act_order=options["act_order"], damp=options["damp"],
-                block_size=options["block_size"])
+                block_size=options["block_size"], static_groups=options["static_groups"])
 
 
 OPTIONS = (
     Option("act_order", Field("bool", False, help="gptq: quantize columns in decreasing activation order")),
     Option("damp", Field("float", 0.01, ge=0, le=1, help="gptq: Hessian dampening, fraction of the mean diagonal")),
     Option("block_size", Field("int", 128, ge=1, help="gptq: columns per lazy-update block")),
+    Option("static_groups", Field("bool", False, help="gptq: group parameters from the unsolved weights, groups in "
+                                                      "column order (act_order without a permuted g_idx)")),
 )
 
 
 def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
     return {"act_order": bool(quant["act_order"]), "damp": float(quant["damp"]),
-            "block_size": int(quant["block_size"])}
+            "block_size": int(quant["block_size"]), "static_groups": bool(quant["static_groups"])}
 
 
 SCHEME = calibration_scheme(

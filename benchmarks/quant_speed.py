@@ -52,8 +52,10 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "autoround": ("AutoRound", "autoround", {}),
     "int8": ("INT8 mixed precision (budget 1.05)", "int8", {"observer": "minmax", "budget": 1.05}),
 }
-# row key → (peer tool, its module, peer_quant.py's method); llm-compressor's GPTQ default is `actorder: static`
-PEERS = {"gptq-static": ("llm-compressor", "llmcompressor", "gptq"), "awq": ("llm-compressor", "llmcompressor", "awq"),
+# row key → (peer tool, its module, peer_quant.py's method); llm-compressor's GPTQ default is `actorder: static`,
+# on a float32 model: the gptq-static-f32 row
+PEERS = {"gptq-static-f32": ("llm-compressor", "llmcompressor", "gptq"),
+         "awq": ("llm-compressor", "llmcompressor", "awq"),
          "autoround": ("auto-round", "auto_round", "autoround")}
 PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 

@@ -153,6 +153,12 @@ def eval_ids(args: argparse.Namespace, bundle: Any) -> list[int]:
     return ids
 
 
+def log_row(row: dict[str, Any]) -> None:
+    """One finished row on stderr, as it comes (a full run takes most of an hour)."""
+    print(f"{row['method']:<40} {row['tool']}  ppl {row['perplexity']:8.3f}  {row['seconds']:8.1f} s  "
+          f"{row['peak_rss_mib']:8.1f} MiB", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_setting_arguments(p)
@@ -199,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = ids or eval_ids(args, bundle)
             ppl, _ = perplexity(bundle, ids, window=args.window)
             rows.append({"method": method, "tool": tool, "perplexity": round(ppl, 3), **measured})
-            print(f"{method:<40} {tool}  ppl {ppl:8.3f}  {measured['seconds']:8.1f} s  "
-                  f"{measured['peak_rss_mib']:8.1f} MiB", file=sys.stderr, flush=True)
+            log_row(rows[-1])
         if key in PEERS:
             tool, module, peer_method = PEERS[key]
             if not peer_importable(args.peer_python, module):
@@ -214,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 np.save(peer_files[1], np.asarray(ids, dtype=np.int32))
             measured = run_peer(args, peer_method, *peer_files)
             rows.append({"method": method, "tool": tool, **measured})
-            print(f"{method:<40} {tool}  ppl {measured['perplexity']:8.3f}  {measured['seconds']:8.1f} s  "
-                  f"{measured['peak_rss_mib']:8.1f} MiB", file=sys.stderr, flush=True)
+            log_row(rows[-1])
     report = {"setting": {name: str(getattr(args, name)) for name in SETTING}, "kernel": kernel_info(),
               "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "rows": rows}
     tmp.cleanup()

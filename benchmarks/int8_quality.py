@@ -6,7 +6,7 @@ dynamic and mixed precision.
 
 Calibration: `--samples` × `--seq-len` tokens of 00_EMMA.txt; evaluation: the first `--eval-windows` × `--window`
 tokens of 03_Persuasion.txt, perplexity of host bundles (independent windows). The lm_head stays bf16 (default).
-Mixed precision holds out a quarter of the calibration windows for its perplexity search.
+Mixed precision holds out a quarter of the calibration windows (at most 4,096 tokens) for its perplexity search.
 """
 
 from __future__ import annotations

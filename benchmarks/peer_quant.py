@@ -12,7 +12,8 @@ W4, group 64, asymmetric, lm_head float (topq's rows keep it bf16). Methods:
 * `gptq`: llm-compressor `GPTQModifier`, `actorder: static` (its default), dampening 0.01, block 128;
 * `awq`: llm-compressor `AWQModifier` (scale search and clipping: its defaults; on a machine without a GPU its
   cache's `pin_memory`, a staging step for GPU copies that fails there, is made a no-op);
-* `autoround`: auto-round `AutoRound` with `--iters` steps, all windows as its samples.
+* `autoround`: auto-round `AutoRound` with `--iters` steps, all windows as its samples, its defaults otherwise
+  (minibatches of 8 windows, lr 1/iters).
 
 Prints one JSON line: the perplexity on the evaluation ids (independent `--window`-token windows, as
 `topq.core.runtime.perplexity`) and `seconds`, the wall time of loading the Hugging Face checkpoint and quantizing
@@ -91,7 +92,7 @@ def auto_round(model: Any, windows: np.ndarray, iters: int, source: Path) -> Non
     data = [{"input_ids": torch.tensor(w[None]), "attention_mask": torch.ones(1, len(w), dtype=torch.long)}
             for w in windows]
     rounder = AutoRound(model, tokenizer(source), bits=4, group_size=64, sym=False, iters=iters, nsamples=len(windows),
-                        seqlen=windows.shape[1], dataset=data, batch_size=1)
+                        seqlen=windows.shape[1], dataset=data)  # its other settings (batch_size 8, lr 1/iters) default
     rounder.quantize()
 
 

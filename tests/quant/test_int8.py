@@ -14,12 +14,14 @@ from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
 from topq.ir.int8 import (
+    int8_matmul,
     matmul_int8,
     quantize_bias,
     quantize_multiplier,
     quantize_multipliers,
     quantize_weight,
     requant_params,
+    right_shift_round,
 )
 from topq.ir.reference_ops import REFERENCE_OPS
 from topq.plugins.quant.int8 import smooth_factors
@@ -239,6 +241,32 @@ def test_host_static_requant_linear_equals_an_integer_implementation() -> None:
     # dynamic (or out_scale 0) keeps the float dequantization, whatever out_scale says
     dyn = op([x, codes.astype(np.float32), w_scale], {"dynamic": True, "out_scale": 0.05})[0]
     np.testing.assert_array_equal(dyn, matmul_int8(x, codes, w_scale, 0.0, True))
+
+
+def test_int8_matmul_is_exact_beyond_float32s_integer_range() -> None:
+    """`int8_matmul` sums in float32 chunks of ≤ 1024 terms: the int64 sums, also for K past float32's exact
+    integers (2100 · 2^14 > 2^24), for the K of every SmolLM2 linear and odd ones."""
+    rng = np.random.default_rng(9)
+    for k in (48, 576, 1024, 1536, 2100):
+        qx = rng.integers(-128, 128, size=(7, k))
+        codes = rng.integers(-128, 128, size=(5, k)).astype(np.int8)
+        qx[0], codes[0] = -128, -128  # the largest product everywhere: one row sums to k · 2^14
+        want = qx.astype(np.int64) @ codes.astype(np.int64).T
+        got = int8_matmul(qx.astype(np.float32), codes)
+        assert got.dtype == np.float64 and np.array_equal(got.astype(np.int64), want), k
+
+
+def test_right_shift_round_is_tpu_mlirs_formula() -> None:
+    """`(v >> s) + ((v & (2^s − 1)) ≥ 2^(s−1))` for s > 0, v for s = 0, v << −s for s < 0, per channel."""
+    rng = np.random.default_rng(10)
+    v = rng.integers(-2 ** 52, 2 ** 52, size=(50, 64))
+    v[0] = np.arange(-32, 32)  # ties at every small shift
+    for shift in (0, 1, 5, 31, np.full(64, 7), rng.integers(-3, 40, size=64)):
+        s = np.broadcast_to(np.asarray(shift, dtype=np.int64), v.shape)
+        pos = np.maximum(s, 0)
+        formula = np.where(s > 0, (v >> pos) + ((v & ((1 << pos) - 1)) >= (1 << np.maximum(pos - 1, 0))), v)
+        want = np.where(s < 0, v << np.maximum(-s, 0), formula)
+        np.testing.assert_array_equal(right_shift_round(v, shift), want)
 
 
 def test_bm1684x_program_with_static_requant_matches_host_bit_exactly() -> None:

@@ -6,6 +6,7 @@ Objective everywhere: the layer-output error ||X Wᵀ - X Ŵᵀ||² on calibrati
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -16,9 +17,11 @@ from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
-from topq.plugins.quant.autoround import _backward, _forward, autoround
+from topq.plugins.quant.autoround import ROW_CHUNK, _backward, _forward, autoround
+from topq.plugins.quant.autoround import solve_group as autoround_group
 from topq.plugins.quant.awq import awq, awq_clip_search, awq_scale_search
 from topq.plugins.quant.gptq import _upper_inverse_factor, gptq
+from topq.quant.calibration import GroupInputs, LayerState
 from topq.quant.grid import (
     code_range,
     fake_quant,
@@ -279,6 +282,35 @@ def test_autoround_fixed_range_rows_tune_only_their_rounding(problem: Any) -> No
     np.testing.assert_array_equal(tuned.zeros[fixed], plain.zeros[fixed])
     assert (tuned.codes[fixed] != plain.codes[fixed]).any()
     assert not np.array_equal(tuned.scales[~fixed], plain.scales[~fixed])
+
+
+def test_autoround_row_chunks_on_threads_give_the_one_call_result() -> None:
+    """The layer adapter solves a group in ROW_CHUNK-row chunks on `GroupInputs.map`: the same codes, scales and
+    zero points as one call on the stacked rows (rows never interact), with q_proj's rows kept at full range."""
+    rng = np.random.default_rng(3)
+    x = correlated_inputs(128, 512, seed=4, outliers=2)
+    h = x.T.astype(np.float64) @ x / len(x)
+    weights = {"q": rng.normal(size=(200, 128)).astype(np.float32), "o": rng.normal(size=(400, 128)).astype(np.float32)}
+    calls: list[int] = []
+
+    def threaded(fn: Any, items: Any) -> list[Any]:
+        items = list(items)
+        calls.append(len(items))
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(fn, items))
+
+    stats = SimpleNamespace(hessian=lambda: h)
+    group = GroupInputs(0, ("q_proj", "o_proj"), ("q", "o"), stats, map=threaded)
+    state = LayerState(weights.__getitem__)
+    options = {"bits": 4, "group_size": 32, "symmetric": False, "iters": 20, "lr": 0.05}
+    autoround_group(group, state, options)
+    assert calls == [-(-600 // ROW_CHUNK)]
+    fixed = np.arange(600) < 200
+    whole = autoround(np.concatenate([weights["q"], weights["o"]]), h, 4, 32, False, iters=20, lr=0.05,
+                      fixed_range=fixed)
+    for field in ("codes", "scales", "zeros"):
+        np.testing.assert_array_equal(np.concatenate([getattr(state.result["q"], field),
+                                                      getattr(state.result["o"], field)]), getattr(whole, field))
 
 
 def test_solvers_are_deterministic(problem: Any) -> None:

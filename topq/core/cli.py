@@ -389,21 +389,27 @@ def _yaml_value(value: Any) -> str:
     return json.dumps(value)  # null / true / 64 / "minmax": how a recipe would spell it
 
 
-def _interrupt_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so temp files are removed and no half-written output is left."""
+def _interrupt_on_signals() -> None:
+    """SIGTERM unwinds like Ctrl-C, so temp files are removed and no half-written output is left; both also set
+    `INTERRUPTED`, which every file commit checks (an interrupt Python drops inside a `__del__` still stops it)."""
     import signal
     import threading
 
+    from topq.io.files import INTERRUPTED
+
     def handler(signum: int, frame: object) -> None:
+        INTERRUPTED.set()
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
+        INTERRUPTED.clear()
         signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, turning every expected failure into one line on stderr."""
-    _interrupt_on_sigterm()
+    _interrupt_on_signals()
     try:
         cli.main(args=argv, prog_name="topq", standalone_mode=False)
     except click.exceptions.Abort:

@@ -21,7 +21,7 @@ from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.core.stages import stage_window
 from topq.core.target import Executor
-from topq.ir.sampling import Sampling
+from topq.ir.sampling import Sampling, token_nll
 from topq.ir.threads import blas_threads, threads_for
 
 NEG_INF = np.float32(-np.inf)
@@ -310,10 +310,7 @@ def perplexity(bundle: Bundle, ids: Sequence[int], window: int | None = None,
         if len(chunk) < 2:
             break
         session.reset()
-        logits = session.feed(chunk, all_logits=True).astype(np.float64)
-        logits -= logits.max(axis=-1, keepdims=True)
-        logprobs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
         targets = np.asarray(chunk[1:])
-        total -= float(logprobs[np.arange(len(targets)), targets].sum())
+        total += token_nll(session.feed(chunk, all_logits=True)[:len(targets)], targets)
         count += len(targets)
     return float(np.exp(total / count)), count

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +14,18 @@ from typing import BinaryIO
 
 from topq.ir.errors import TopqError
 
-__all__ = ["atomic_file", "check_writable", "package_file", "umask"]
+__all__ = ["INTERRUPTED", "atomic_file", "check_writable", "commit_allowed", "package_file", "umask"]
+
+#: Set by the CLI's SIGINT / SIGTERM handler, which also raises KeyboardInterrupt. Python drops an exception raised
+#: while a `__del__` or a weakref callback runs ("Exception ignored in …"), so a signal landing there would let the
+#: conversion finish; every file commit checks this flag too, and an interrupted run never completes an output.
+INTERRUPTED = threading.Event()
+
+
+def commit_allowed() -> None:
+    """Raise KeyboardInterrupt when the process was interrupted: called just before an output is renamed into place."""
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
 
 
 def umask() -> int:
@@ -33,6 +45,7 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "wb") as fh:
             yield fh
         os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600; give the file the usual permissions
+        commit_allowed()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -153,16 +153,34 @@ def quantize_bias(bias: np.ndarray, act_scale: float, w_scale: np.ndarray) -> np
     return np.clip(q, -INT32_MAX - 1, INT32_MAX).astype(np.int32)
 
 
+EXACT_F32_TERMS = 1 << 10  # products of two int8 values (|p| ≤ 2^14) whose sums float32 holds exactly (≤ 2^24)
+
+
+def int8_matmul(qx: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """qx [M, K] · codesᵀ for integer values in [-128, 127] (any dtype), exactly, as float64 [M, N].
+
+    float32 GEMMs over K chunks of at most EXACT_F32_TERMS columns: every partial sum is then an integer of
+    magnitude ≤ 2^24, which float32 holds exactly, whatever order the BLAS adds in; the chunks add in float64. The
+    same integers as a float64 GEMM, at float32 speed and without a float64 copy of the codes."""
+    a = np.asarray(qx, dtype=F32)
+    b = np.asarray(codes, dtype=F32)
+    k = a.shape[1]
+    acc = (a[:, :EXACT_F32_TERMS] @ b[:, :EXACT_F32_TERMS].T).astype(np.float64)
+    for start in range(EXACT_F32_TERMS, k, EXACT_F32_TERMS):
+        acc += a[:, start:start + EXACT_F32_TERMS] @ b[:, start:start + EXACT_F32_TERMS].T
+    return acc
+
+
 def right_shift_round(v: np.ndarray, shift: np.ndarray | int) -> np.ndarray:
     """TPU-MLIR's `RightShiftRound(v, shift, ROUNDING_HALF_UP)` on int64: `(v >> s) + ((v & (2^s − 1)) ≥ 2^(s−1))`
     for s > 0 (an arithmetic shift, so halves round towards +inf), v for s = 0, `v << −s` for s < 0."""
     v = np.asarray(v, dtype=np.int64)
     s = np.asarray(shift, dtype=np.int64)
     pos = np.maximum(s, 0)
-    mask = (np.int64(1) << pos) - 1
+    # v = q·2^s + r (0 ≤ r < 2^s): (v + 2^(s−1)) >> s = q + (r ≥ 2^(s−1)), the same integer in two passes
     half = np.where(pos > 0, np.int64(1) << np.maximum(pos - 1, 0), 0)
-    out = (v >> pos) + (((v & mask) >= half) & (pos > 0))
-    return np.where(s < 0, v << np.maximum(-s, 0), out)
+    out = (v + half) >> pos
+    return np.where(s < 0, v << np.maximum(-s, 0), out) if (s < 0).any() else out
 
 
 def requantize(acc: np.ndarray, multiplier: np.ndarray, rshift: np.ndarray) -> np.ndarray:
@@ -178,7 +196,7 @@ def requant_linear(qx: np.ndarray, codes: np.ndarray, multiplier: np.ndarray, rs
                    bias_q: np.ndarray | None, out_scale: float) -> np.ndarray:
     """Static W8A8 linear on int8 activation codes qx [M, K] (integers, any dtype) and codes [N, K]:
     acc = qx · codesᵀ (+ bias_q) exactly, requantized to int8 codes, returned as f32(code) · f32(out_scale)."""
-    acc = (np.asarray(qx, dtype=np.float64) @ np.asarray(codes, dtype=np.float64).T).astype(np.int64)  # exact sums
+    acc = int8_matmul(qx, codes).astype(np.int64)  # exact sums
     if bias_q is not None:
         acc += np.asarray(bias_q, dtype=np.int64)
     y_code = requantize(acc, multiplier, rshift)
@@ -206,7 +224,7 @@ def matmul_int8(x: np.ndarray, codes: np.ndarray, w_scale: np.ndarray, act_scale
         return requant_linear(qx, codes, multiplier, rshift, bias_q, out_scale).reshape(*lead, codes.shape[0])
     sx = token_scales(x2) if dynamic else np.full((x2.shape[0], 1), act_scale, F32)
     qx = quantize_act(x2, sx)
-    acc = qx.astype(np.float64) @ np.asarray(codes, dtype=np.float64).T  # exact integer sums
+    acc = int8_matmul(qx, codes)  # exact integer sums
     y = acc * (sx.astype(np.float64) * np.asarray(w_scale, dtype=np.float64)[None, :])
     y = y.astype(F32)
     if bias is not None:

@@ -1,6 +1,6 @@
 """Decoding settings and the choice of the next token from logits (greedy, temperature, top-k, top-p,
-repetition penalty). Plain numpy on one logits vector; the runtime (`topq.core.runtime`) uses it, and re-exports it
-for its callers."""
+repetition penalty), and the likelihood of the tokens that did come (`token_nll`, for perplexity). Plain numpy;
+the runtime (`topq.core.runtime`) uses it, and re-exports `Sampling` for its callers."""
 
 from __future__ import annotations
 
@@ -53,3 +53,18 @@ class Sampling:
             probs = np.where(mask, probs, 0.0)
             probs /= probs.sum()
         return int(self._rng.choice(probs.size, p=probs))
+
+
+def token_nll(logits: np.ndarray, targets: np.ndarray) -> float:
+    """−Σ_t log softmax(logits[t])[targets[t]] for logits [T, V] (any float dtype; float32 is not copied).
+
+    The exponentials are float32, the row sums and the total float64: over a 49k-entry vocabulary that is half the
+    memory traffic of an all-float64 softmax, with a vectorized exp; the error against float64 is ~1e-7 nats per
+    token (tested), far below any perplexity digit reported."""
+    logits = np.asarray(logits, dtype=np.float32)
+    top = logits.max(axis=-1, keepdims=True)
+    shifted = np.subtract(logits, top)
+    picked = shifted[np.arange(len(targets)), np.asarray(targets)].astype(np.float64)
+    np.exp(shifted, out=shifted)
+    log_sums = np.log(shifted.sum(axis=-1, dtype=np.float64))
+    return float((log_sums - picked).sum())

@@ -105,6 +105,14 @@ def make_quantized(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bit
     )
 
 
+def stack_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """The QuantizedWeight of row blocks solved apart (same bits, groups and g_idx), stacked along N in order."""
+    first = parts[0]
+    return QuantizedWeight(np.concatenate([q.codes for q in parts]), np.concatenate([q.scales for q in parts]),
+                           np.concatenate([q.zeros for q in parts]), first.bits, first.group_size, first.symmetric,
+                           first.g_idx)
+
+
 def rtn(w: np.ndarray, bits: int, group_size: int | None, symmetric: bool) -> QuantizedWeight:
     """Plain round-to-nearest group quantization: the baseline every algorithm must beat."""
     return quantize_groups(w, bits, group_size, symmetric)

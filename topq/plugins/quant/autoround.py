@@ -35,6 +35,7 @@ from topq.quant.grid import (
     code_range,
     make_quantized,
     resolve_group_size,
+    stack_rows,
 )
 
 SCALE_BOUNDS = (0.5, 1.0)
@@ -152,13 +153,24 @@ def autoround(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | Non
 # --------------------------------------------------------------------------------------- layer adapter
 
 
+ROW_CHUNK = 256  # rows per solver call: the unit `GroupInputs.map` spreads over the loop's threads
+
+
 def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any]) -> None:
-    """AutoRound for one quant group: rows are independent under the per-linear objective, so stack them."""
+    """AutoRound for one quant group: rows are independent under the per-linear objective, so the group's linears
+    are stacked and solved in chunks of ROW_CHUNK rows on `group.map`. The chunks are the same whoever runs them
+    (and a row's steps do not depend on the other rows of its chunk), so the result does not depend on the jobs."""
     weights = [state.float_weight(name) for name in group.names]
     h = group.stats.hessian()
-    fixed = np.concatenate([np.full(w.shape[0], key in FIXED_RANGE_KEYS) for key, w in zip(group.keys, weights)])
-    qw = autoround(np.concatenate(weights, axis=0), h, options["bits"], options["group_size"],
-                   options["symmetric"], iters=options["iters"], lr=options["lr"], fixed_range=fixed)
+    w = np.concatenate(weights, axis=0)
+    fixed = np.concatenate([np.full(x.shape[0], key in FIXED_RANGE_KEYS) for key, x in zip(group.keys, weights)])
+    starts = range(0, w.shape[0], ROW_CHUNK)
+
+    def solve_rows(a: int) -> QuantizedWeight:
+        return autoround(w[a:a + ROW_CHUNK], h, options["bits"], options["group_size"], options["symmetric"],
+                         iters=options["iters"], lr=options["lr"], fixed_range=fixed[a:a + ROW_CHUNK])
+
+    qw = stack_rows(group.map(solve_rows, starts))
     state.set_quantized_rows(group.names, qw)
     state.record(group.names, weights, [state.current_weight(n) for n in group.names], h, options["bits"],
                  options["group_size"], options["symmetric"])

@@ -51,8 +51,9 @@ from topq.ir.catalogue import Linear, traits_of
 from topq.ir.graph import Function, Module, Operation, Value
 from topq.ir.int8 import QMAX, quantize_weight
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.reference_ops import REFERENCE_OPS, mlp_hidden
+from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden
 from topq.ir.rewrite import Rewriter, apply_patterns
+from topq.ir.sampling import token_nll
 from topq.ir.threads import blas_threads, fixed_threads
 from topq.ir.types import TensorType, round_to_dtype
 from topq.quant.observers import Observer
@@ -197,19 +198,30 @@ class _ObserveInterpreter(Interpreter):
         super().__init__(module, weights, tap=self._observe)
         self.at_op, self.observers, self.inv_smooth = at_op, observers, inv_smooth
 
+    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        """A top.MLP whose down projection is a site computes its act once, for the observers and for its result
+        (`mlp_hidden` then `mlp_down`, of which the op's own kernel is made: the same bits)."""
+        site = next((s for s in self.at_op.get(id(step.op), ()) if s.kind == MLP_HIDDEN), None)
+        if site is None:
+            return step.kernel(inputs, step.attrs)
+        x, wg, wu, wd = (np.asarray(a, dtype=np.float32) for a in inputs)
+        gate, up, act = mlp_hidden(x, wg, wu, str(step.attrs.get("act", "silu")))
+        self._observe_output(step.op.operands[1], gate)
+        self._observe_output(step.op.operands[2], up)
+        self._observe_site(site, act)
+        return [mlp_down(act, wd).reshape(x.shape)]
+
     def _observe(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):
-            if site.kind == MLP_HIDDEN:
-                gate, up, x = mlp_hidden(inputs[0], inputs[1], inputs[2], str(step.attrs.get("act", "silu")))
-                self._observe_output(step.op.operands[1], gate)
-                self._observe_output(step.op.operands[2], up)
-            else:
-                x = inputs[0]
-            inv = self.inv_smooth.get(site.key)
-            self.observers[site.key].add(x if inv is None else x * inv)
+            if site.kind != MLP_HIDDEN:  # those are observed in run_op
+                self._observe_site(site, inputs[0])
         result = _result_linear(step.op)
         if result is not None:
             self._observe_output(step.op.operands[result.weight], outputs[0])
+
+    def _observe_site(self, site: Site, x: np.ndarray) -> None:
+        inv = self.inv_smooth.get(site.key)
+        self.observers[site.key].add(x if inv is None else x * inv)
 
     def _observe_output(self, weight: Value, y: np.ndarray) -> None:
         """Static requantization needs each linear's output range: observers keyed `<weight>:out`, when asked."""
@@ -560,7 +572,11 @@ def _codes_of(values: Mapping[str, QuantizedWeight]) -> dict[str, tuple[np.ndarr
     return {n: (q.codes.astype(np.float32), q.scales[:, 0]) for n, q in values.items()}
 
 
-SENSITIVITY_WINDOWS = 2  # held-out windows the per-linear sensitivity pass runs on (the cut is checked on all)
+# The mixed-precision search's held-out windows: a quarter of the calibration windows, at most HELD_OUT_TOKENS
+# tokens (at least one window). It compares two models on the same tokens, so a few thousand tokens decide a 5 %
+# budget; every full evaluation of the search runs on all of them.
+HELD_OUT_TOKENS = 4096
+SENSITIVITY_TOKENS = 512  # of those, the tokens (whole windows) the per-linear sensitivity pass runs on
 
 
 def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
@@ -568,9 +584,9 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
                     floats: Mapping[str, np.ndarray], jobs: int = 1) -> dict[str, Any]:
     """Keep the most damaging linears in bf16 until held-out perplexity ≤ budget × the all-bf16 model's.
 
-    1. sensitivity: each linear alone in int8 (everything else bf16), perplexity on the first
-       `SENSITIVITY_WINDOWS` held-out windows; the bf16 hidden states in front of every layer are computed once,
-       so linear n of layer L only re-runs layers L… (half the model on average);
+    1. sensitivity: each linear alone in int8 (everything else bf16), perplexity on the first held-out windows
+       (`SENSITIVITY_TOKENS` tokens, at least one window); the bf16 hidden states in front of every layer are
+       computed once, so linear n of layer L only re-runs layers L… (half the model on average);
     2. the cut: linears sorted by damage, the smallest prefix kept in bf16 that meets the budget on all held-out
        windows, found by bisection (perplexity falls as more linears stay bf16) — ~log2(N) full evaluations
        instead of N.
@@ -624,10 +640,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
         for i in range(first_layer, spec.num_layers):
             h = interp.run(f"block_{i}", [h, positions])[0]
         h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
-        logits = (h[0, :-1] @ head.T).astype(np.float64)
-        logits -= logits.max(axis=-1, keepdims=True)
-        lp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-        return -float(lp[np.arange(len(w) - 1), w[1:]].sum())
+        return token_nll(h[0, :-1] @ head.T, w[1:])
 
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="topq-int8")
 
@@ -646,7 +659,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
             report: dict[str, Any] = {"bf16_ppl": reference, "int8_ppl": current, "budget": budget}
             chosen: list[str] = []
             if current > limit:
-                probe = held_out[:SENSITIVITY_WINDOWS]
+                probe = held_out[:max(1, SENSITIVITY_TOKENS // held_out.shape[1])]
                 interp = mixed(set(names))
                 prefixes = []  # per probe window: the bf16 model's hidden state in front of every layer
                 for w in probe:
@@ -679,6 +692,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
                     lo, hi = (lo, mid) if results[mid] <= limit else (mid, hi)
                 bar.close()
                 chosen, current = order[:hi], results[hi]
+                report["cut_evaluations"] = len(results) - 2
                 report["sensitivity"] = {n: round(damage[n], 6) for n in order}  # mean NLL with only n in int8
             for n in chosen:
                 plan.modes[n] = "bf16"
@@ -808,7 +822,7 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
         if opts.budget is not None:
             if len(windows) < 2:
                 raise TopqError("quant.budget needs at least 2 calibration samples (some are held out for perplexity)")
-            cut = len(windows) - max(1, len(windows) // 4)
+            cut = len(windows) - max(1, min(len(windows) // 4, HELD_OUT_TOKENS // windows.shape[1]))
             windows, held_out = windows[:cut], windows[cut:]
         plan, cm = calibrate_plan(model, windows, linears, opts, executor)
         if opts.budget is not None:  # every planned linear is int8 until the search sends some back to bf16

@@ -58,6 +58,7 @@ def matmul_int8(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarra
     is requantized in int64 — clamp(RightShiftRound(acc · M[n], s[n], half up), -128, 127) — and the int8 code
     converted to f32 times f32(out_scale) (`int8_math.requant_linear`, shared with the host kernel)."""
     from topq.ir.int8 import (
+        int8_matmul,
         quantize_act,
         requant_linear,
         token_scales,
@@ -74,7 +75,7 @@ def matmul_int8(args: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndarra
         return [y.reshape(*lead, codes.shape[0])]
     w_scale = args[2]
     sx = token_scales(x2) if attrs.get("dynamic") else np.full((x2.shape[0], 1), attrs["act_scale"], F32)
-    acc = quantize_act(x2, sx).astype(np.float64) @ codes.astype(np.float64).T
+    acc = int8_matmul(quantize_act(x2, sx), codes)
     requant = sx * w_scale.astype(F32)[None, :]  # f32 product
     y = acc.astype(F32) * requant  # int32 → f32 convert, then one f32 multiply
     if len(args) > 3:

@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 from topq.ir.errors import TopqError
 
-__all__ = ["INTERRUPTED", "atomic_file", "check_writable", "commit_allowed", "package_file", "umask"]
+__all__ = ["INTERRUPTED", "atomic_file", "check_writable", "package_file", "raise_if_interrupted", "umask"]
 
 #: Set by the CLI's SIGINT / SIGTERM handler, which also raises KeyboardInterrupt. Python drops an exception raised
 #: while a `__del__` or a weakref callback runs ("Exception ignored in …"), so a signal landing there would let the
@@ -22,7 +22,7 @@ __all__ = ["INTERRUPTED", "atomic_file", "check_writable", "commit_allowed", "pa
 INTERRUPTED = threading.Event()
 
 
-def commit_allowed() -> None:
+def raise_if_interrupted() -> None:
     """Raise KeyboardInterrupt when the process was interrupted: called just before an output is renamed into place."""
     if INTERRUPTED.is_set():
         raise KeyboardInterrupt
@@ -45,7 +45,7 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "wb") as fh:
             yield fh
         os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600; give the file the usual permissions
-        commit_allowed()
+        raise_if_interrupted()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -23,7 +23,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from topq.io.files import commit_allowed, umask
+from topq.io.files import raise_if_interrupted, umask
 from topq.ir.errors import TopqError
 
 # Safetensors dtype tag -> numpy dtype (little-endian, as the format prescribes).
@@ -320,7 +320,7 @@ class SafetensorsWriter:
             os.fsync(self._fh.fileno())
             self._fh.close()
             os.chmod(self.tmp, 0o666 & ~umask())  # mkstemp makes 0600; give the file the usual permissions
-            commit_allowed()
+            raise_if_interrupted()
             os.replace(self.tmp, self.path)
         except BaseException:
             self.abort()

@@ -46,6 +46,18 @@ def err(w: np.ndarray, w_hat: np.ndarray, h: np.ndarray) -> float:
     return float(output_error(w, w_hat, h).sum())
 
 
+def threaded_map(calls: list[int]) -> Any:
+    """A `GroupInputs.map` on two threads that records how many items each call spread."""
+
+    def threaded(fn: Any, items: Any) -> list[Any]:
+        items = list(items)
+        calls.append(len(items))
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(fn, items))
+
+    return threaded
+
+
 @pytest.fixture(scope="module")
 def problem() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """W [64, 128], inputs X [1024, 128] with correlated channels and 4 outlier channels, H = XᵀX / T."""
@@ -188,12 +200,7 @@ def test_awq_candidates_on_threads_give_the_serial_result(problem: Any) -> None:
     """`map_fn` (GroupInputs.map: the layer loop's threads) only spreads the candidates; the choice is the same."""
     w, x, h = problem
     calls: list[int] = []
-
-    def threaded(fn: Any, items: Any) -> list[Any]:
-        items = list(items)
-        calls.append(len(items))
-        with ThreadPoolExecutor(2) as pool:
-            return list(pool.map(fn, items))
+    threaded = threaded_map(calls)
 
     serial, _ = awq(w, h, np.abs(x).mean(axis=0), 4, 32, False, clip=True)
     spread, _ = awq(w, h, np.abs(x).mean(axis=0), 4, 32, False, clip=True, map_fn=threaded)
@@ -292,12 +299,7 @@ def test_autoround_row_chunks_on_threads_give_the_one_call_result() -> None:
     h = x.T.astype(np.float64) @ x / len(x)
     weights = {"q": rng.normal(size=(200, 128)).astype(np.float32), "o": rng.normal(size=(400, 128)).astype(np.float32)}
     calls: list[int] = []
-
-    def threaded(fn: Any, items: Any) -> list[Any]:
-        items = list(items)
-        calls.append(len(items))
-        with ThreadPoolExecutor(2) as pool:
-            return list(pool.map(fn, items))
+    threaded = threaded_map(calls)
 
     stats = SimpleNamespace(hessian=lambda: h)
     group = GroupInputs(0, ("q_proj", "o_proj"), ("q", "o"), stats, map=threaded)

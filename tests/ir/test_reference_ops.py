@@ -572,6 +572,35 @@ def test_fattention_matches_torch_sdpa_large_scores() -> None:
     np.testing.assert_allclose(y, want.transpose(1, 2).reshape(1, 9, 64).numpy(), atol=2e-5)
 
 
+@pytest.mark.parametrize("window", [0, 50])
+def test_fattention_query_blocks_match_torch_sdpa(window: int) -> None:
+    """Causal attention runs in blocks of QUERY_BLOCK queries, each against the keys it can see: across block edges
+    (150 queries: blocks of 64, 64, 22), with history keys (some masked off), GQA and a sliding window, it is
+    torch's float64 attention with the explicit mask."""
+    from topq.ir.reference_ops import QUERY_BLOCK
+
+    lq, history, hq, hkv, d = 150, 40, 4, 2, 16
+    assert lq > 2 * QUERY_BLOCK
+    q, k, v = randn(1, lq, hq, d), randn(1, history + lq, hkv, d), randn(1, history + lq, hkv, d)
+    mask = np.zeros((1, 1, 1, history + lq), np.float32)
+    mask[..., :7] = -1e9  # history the caller hides
+    y = attention(q, k, v, mask, scale=0.25, causal=True, window=window)
+    i = np.arange(lq)[:, None] + history  # each query's own key
+    j = np.arange(history + lq)[None, :]
+    allowed = (j <= i) & (mask[0, 0] == 0)
+    if window:
+        allowed &= (j < history) | (i - j < window)
+    want = F.scaled_dot_product_attention(
+        t(q).transpose(1, 2).double(),
+        t(k).transpose(1, 2).double(),
+        t(v).transpose(1, 2).double(),
+        attn_mask=t(allowed),
+        scale=0.25,
+        enable_gqa=True,
+    )
+    np.testing.assert_allclose(y, want.transpose(1, 2).reshape(1, lq, hq * d).numpy(), atol=2e-5)
+
+
 def test_fattention_bad_heads() -> None:
     q, k = randn(1, 2, 4, 8), randn(1, 2, 3, 8)
     with pytest.raises(TopqError, match="q_head"):

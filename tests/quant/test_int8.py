@@ -3,6 +3,7 @@ the calibration table and mixed precision."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,8 @@ def test_int8_matmul_is_exact_beyond_float32s_integer_range() -> None:
         want = qx.astype(np.int64) @ codes.astype(np.int64).T
         got = int8_matmul(qx.astype(np.float32), codes)
         assert got.dtype == np.float64 and np.array_equal(got.astype(np.int64), want), k
+        exact = int8_matmul(qx.astype(np.float32), codes, np.int64)  # the static path's accumulators
+        assert exact.dtype == np.int64 and np.array_equal(exact, want), k
 
 
 def test_right_shift_round_is_tpu_mlirs_formula() -> None:
@@ -267,6 +270,9 @@ def test_right_shift_round_is_tpu_mlirs_formula() -> None:
         formula = np.where(s > 0, (v >> pos) + ((v & ((1 << pos) - 1)) >= (1 << np.maximum(pos - 1, 0))), v)
         want = np.where(s < 0, v << np.maximum(-s, 0), formula)
         np.testing.assert_array_equal(right_shift_round(v, shift), want)
+        in_place = v.copy()  # `out=v`: requantize's path, also where some shifts are negative
+        assert right_shift_round(in_place, shift, out=in_place) is in_place
+        np.testing.assert_array_equal(in_place, want)
 
 
 def test_bm1684x_program_with_static_requant_matches_host_bit_exactly() -> None:
@@ -568,9 +574,37 @@ def test_mixed_precision_search_invariants(tiny: dict[str, Any]) -> None:
     assert program.count('"top.MatMulInt8"') == (14 - len(bf16)) * 3
     # the search's forwards on two threads (`--jobs 2`): the same sensitivities, cut and table
     threaded = tiny["root"] / "mixed-jobs2.yaml"
-    convert(recipe_for(tiny, "int8", name="mixed-jobs2", table=str(threaded), budget=1.0, calibration={"samples": 8}),
-            progress=False, jobs=2)
+    on_threads = recipe_for(tiny, "int8", name="mixed-jobs2", table=str(threaded), budget=1.0,
+                            calibration={"samples": 8})
+    convert(on_threads, progress=False, jobs=2)
     assert yaml.safe_load(threaded.read_text()) == doc
+    # …and the same error report (its windows on the two threads, summed in window order)
+    assert Bundle(on_threads.output.path).meta["quant_report"] == Bundle(recipe.output.path).meta["quant_report"]
+
+
+def test_mixed_precision_evaluations_resume_from_kept_states(tiny: dict[str, Any], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cut's evaluations start each window at a hidden state an earlier evaluation kept: the same perplexities,
+    bit for bit, as evaluations from the embedding (a 6-layer model, so that late cuts differ only in deep layers)."""
+    from tiny_models import build_tiny
+
+    from topq.core.pipeline import convert
+    from topq.plugins.quant import int8
+
+    deep = {"root": tmp_path}
+    build_tiny("llama", tmp_path / "model", overrides={"num_hidden_layers": 6})
+    shutil.copy(tiny["root"] / "emma.ids", tmp_path / "emma.ids")
+    reports = {}
+    for every in (1, 1000):  # every layer's input kept / only the embedding's output (nothing to resume from)
+        monkeypatch.setattr(int8, "KEEP_EVERY", every)
+        table = tmp_path / f"resume-{every}.yaml"
+        convert(recipe_for(deep, "int8", name=f"resume-{every}", table=str(table), budget=1.0,
+                           calibration={"samples": 8}), progress=False)
+        reports[every] = yaml.safe_load(table.read_text())["mixed_precision"]
+    resumed, fresh = reports[1], reports[1000]
+    assert resumed["cut_evaluations"] >= 4 and resumed["cut_layers_reused"] > 0 and fresh["cut_layers_reused"] == 0
+    assert resumed["cut_ppl"] == fresh["cut_ppl"]
+    assert resumed == {**fresh, "cut_layers_reused": resumed["cut_layers_reused"]}
 
 
 def test_dynamic_tokens_without_smoothing_reads_no_statistics(tiny: dict[str, Any]) -> None:

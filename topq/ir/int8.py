@@ -43,10 +43,14 @@ F32 = np.float32
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
-    """C's std::round: halves go away from zero (numpy's rint rounds them to even)."""
+    """C's std::round: halves go away from zero. numpy's rint rounds halves to even; only exact halves differ, and
+    they are found and fixed in x's own dtype (no float64 detour)."""
     x = np.asarray(x)
-    whole = np.trunc(x)
-    return np.where(np.abs(x - whole) == 0.5, whole + np.sign(x), np.rint(x)).astype(x.dtype, copy=False)
+    r = np.rint(x)
+    tie = np.abs(x - r) == 0.5  # x - rint(x) is exact; rint sent a tie to the even side
+    if tie.any():
+        r = np.where(tie, x + np.copysign(0.5, x).astype(r.dtype), r)
+    return r.astype(x.dtype, copy=False)
 
 
 def token_scales(x: np.ndarray) -> np.ndarray:
@@ -57,8 +61,8 @@ def token_scales(x: np.ndarray) -> np.ndarray:
 
 def quantize_act(x: np.ndarray, scale: np.ndarray | np.floating | float) -> np.ndarray:
     """int8 codes (as float32) of x with a broadcastable float32 scale: clamp(round(x / scale), ±127)."""
-    q = np.asarray(x, dtype=F32) / np.asarray(scale, dtype=F32)
-    return np.clip(round_half_away(q), -QMAX, QMAX)
+    q = round_half_away(np.asarray(x, dtype=F32) / np.asarray(scale, dtype=F32))
+    return np.clip(q, -QMAX, QMAX, out=q)
 
 
 def quantize_weight(w: np.ndarray, scale_dtype: str = "f32") -> tuple[np.ndarray, np.ndarray]:
@@ -156,31 +160,40 @@ def quantize_bias(bias: np.ndarray, act_scale: float, w_scale: np.ndarray) -> np
 EXACT_F32_TERMS = 1 << 10  # products of two int8 values (|p| ≤ 2^14) whose sums float32 holds exactly (≤ 2^24)
 
 
-def int8_matmul(qx: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    """qx [M, K] · codesᵀ for integer values in [-128, 127] (any dtype), exactly, as float64 [M, N].
+def int8_matmul(qx: np.ndarray, codes: np.ndarray, dtype: type[np.generic] = np.float64) -> np.ndarray:
+    """qx [M, K] · codesᵀ for integer values in [-128, 127] (any dtype), exactly, as `dtype` (float64 or int64)
+    [M, N].
 
     float32 GEMMs over K chunks of at most EXACT_F32_TERMS columns: every partial sum is then an integer of
-    magnitude ≤ 2^24, which float32 holds exactly, whatever order the BLAS adds in; the chunks add in float64. The
+    magnitude ≤ 2^24, which float32 holds exactly, whatever order the BLAS adds in; the chunks add in `dtype`. The
     same integers as a float64 GEMM, at float32 speed and without a float64 copy of the codes."""
     a = np.asarray(qx, dtype=F32)
     b = np.asarray(codes, dtype=F32)
     k = a.shape[1]
-    acc = (a[:, :EXACT_F32_TERMS] @ b[:, :EXACT_F32_TERMS].T).astype(np.float64)
+    acc = (a[:, :EXACT_F32_TERMS] @ b[:, :EXACT_F32_TERMS].T).astype(dtype)
     for start in range(EXACT_F32_TERMS, k, EXACT_F32_TERMS):
-        acc += a[:, start:start + EXACT_F32_TERMS] @ b[:, start:start + EXACT_F32_TERMS].T
+        np.add(acc, a[:, start:start + EXACT_F32_TERMS] @ b[:, start:start + EXACT_F32_TERMS].T, out=acc,
+               casting="unsafe")  # into int64: the float32 partial sums are integers
     return acc
 
 
-def right_shift_round(v: np.ndarray, shift: np.ndarray | int) -> np.ndarray:
+def right_shift_round(v: np.ndarray, shift: np.ndarray | int, out: np.ndarray | None = None) -> np.ndarray:
     """TPU-MLIR's `RightShiftRound(v, shift, ROUNDING_HALF_UP)` on int64: `(v >> s) + ((v & (2^s − 1)) ≥ 2^(s−1))`
-    for s > 0 (an arithmetic shift, so halves round towards +inf), v for s = 0, `v << −s` for s < 0."""
+    for s > 0 (an arithmetic shift, so halves round towards +inf), v for s = 0, `v << −s` for s < 0. `out` (an
+    int64 array of v's shape, v itself allowed) takes the result in place of a new array."""
     v = np.asarray(v, dtype=np.int64)
     s = np.asarray(shift, dtype=np.int64)
     pos = np.maximum(s, 0)
     # v = q·2^s + r (0 ≤ r < 2^s): (v + 2^(s−1)) >> s = q + (r ≥ 2^(s−1)), the same integer in two passes
     half = np.where(pos > 0, np.int64(1) << np.maximum(pos - 1, 0), 0)
-    out = (v + half) >> pos
-    return np.where(s < 0, v << np.maximum(-s, 0), out) if (s < 0).any() else out
+    if (s < 0).any():  # rare (a multiplier that needed a left shift): it reads v after the rounding
+        result = np.where(s < 0, v << np.maximum(-s, 0), (v + half) >> pos)
+        if out is None:
+            return result
+        out[...] = result
+        return out
+    result = np.add(v, half, out=out)
+    return np.right_shift(result, pos, out=result)
 
 
 def requantize(acc: np.ndarray, multiplier: np.ndarray, rshift: np.ndarray) -> np.ndarray:
@@ -188,19 +201,20 @@ def requantize(acc: np.ndarray, multiplier: np.ndarray, rshift: np.ndarray) -> n
     `clamp(RightShiftRound(acc · M[n], s[n], HALF_UP), -128, 127)` — TPU-MLIR's
     `applyMultiplierAndRShift(v, M, s)` (RequantMode::MultiplierShift, default ROUNDING_HALF_UP) then
     `saturate(v, i8)`. All integer: |acc| < 2^31 and M < 2^31, so acc · M fits int64."""
-    prod = np.asarray(acc, dtype=np.int64) * np.asarray(multiplier, dtype=np.int64)
-    return np.clip(right_shift_round(prod, np.asarray(rshift, dtype=np.int64)), INT8_MIN, INT8_MAX)
+    prod = np.multiply(acc, np.asarray(multiplier, dtype=np.int64), dtype=np.int64)  # a new array: in place below
+    right_shift_round(prod, np.asarray(rshift, dtype=np.int64), out=prod)
+    return np.clip(prod, INT8_MIN, INT8_MAX, out=prod)
 
 
 def requant_linear(qx: np.ndarray, codes: np.ndarray, multiplier: np.ndarray, rshift: np.ndarray,
                    bias_q: np.ndarray | None, out_scale: float) -> np.ndarray:
     """Static W8A8 linear on int8 activation codes qx [M, K] (integers, any dtype) and codes [N, K]:
     acc = qx · codesᵀ (+ bias_q) exactly, requantized to int8 codes, returned as f32(code) · f32(out_scale)."""
-    acc = int8_matmul(qx, codes).astype(np.int64)  # exact sums
+    acc = int8_matmul(qx, codes, np.int64)  # exact sums
     if bias_q is not None:
         acc += np.asarray(bias_q, dtype=np.int64)
     y_code = requantize(acc, multiplier, rshift)
-    return y_code.astype(F32) * F32(out_scale)
+    return np.multiply(y_code, F32(out_scale), dtype=F32)  # the codes are exact in float32: one rounding
 
 
 @functools.lru_cache(maxsize=1024)

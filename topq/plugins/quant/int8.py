@@ -567,6 +567,19 @@ class _MixedInterpreter(Interpreter):
         return step.kernel(inputs, step.attrs)
 
 
+def _one_copy(load: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
+    """`load` keeping what it loaded: the interpreters of several threads share one copy of each weight."""
+    loaded: dict[str, np.ndarray] = {}
+
+    def shared(name: str) -> np.ndarray:
+        array = loaded.get(name)
+        if array is None:
+            array = loaded[name] = load(name)
+        return array
+
+    return shared
+
+
 def _codes_of(values: Mapping[str, QuantizedWeight]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """What `top.MatMulInt8` takes per linear: its codes as float32 and its scales [N]."""
     return {n: (q.codes.astype(np.float32), q.scales[:, 0]) for n, q in values.items()}
@@ -577,6 +590,17 @@ def _codes_of(values: Mapping[str, QuantizedWeight]) -> dict[str, tuple[np.ndarr
 # budget; every full evaluation of the search runs on all of them.
 HELD_OUT_TOKENS = 4096
 SENSITIVITY_TOKENS = 512  # of those, the tokens (whole windows) the per-linear sensitivity pass runs on
+KEEP_EVERY = 4  # a search evaluation keeps each window's hidden state in front of every 4th layer (for the next)
+
+
+@dataclass
+class _Evaluation:
+    """One full evaluation of the search: its bf16 set, held-out perplexity, and per held-out window the hidden
+    states it kept (layer → state), from which a later evaluation agreeing on the layers before resumes."""
+
+    bf16: set[str]
+    ppl: float
+    kept: list[dict[int, np.ndarray]]
 
 
 def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
@@ -589,7 +613,8 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
        computed once, so linear n of layer L only re-runs layers L… (half the model on average);
     2. the cut: linears sorted by damage, the smallest prefix kept in bf16 that meets the budget on all held-out
        windows, found by bisection (perplexity falls as more linears stay bf16) — ~log2(N) full evaluations
-       instead of N.
+       instead of N. An evaluation starts each window at the latest layer before which it agrees with one end of
+       the bracket (kept states, `evaluate`): late in the bisection the few linears that differ are mostly deep.
 
     Its forwards (one per linear in 1, one per window in 2) run on `jobs` threads, each with an interpreter of its
     own and one BLAS thread (as the layer loop's); results are combined in order, so the outcome does not depend
@@ -598,27 +623,25 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     module = cm.module
     rewrite_program(module, plan, cm.sites, dynamic)
     spec, family = model.spec, model.family
+
     def host(n: str) -> np.ndarray:  # what a bf16 host bundle computes with (smoothing's float rewrites first)
         return round_to_dtype(floats[n] if n in floats else model.weight(n), SCALE_DTYPE)
 
     rope = rope_weights(spec, cm.seq_len)
     eff = lambda n: _effective(model.checkpoint.weights.get, n, plan.smooth, cm.sites)  # noqa: E731
+    codes, rebuilt = _codes_of(values), {}
 
     def weights(n: str) -> np.ndarray:
         if n in rope:
             return rope[n]
         if n.endswith(".float"):
             return round_to_dtype(eff(n[: -len(".float")]), SCALE_DTYPE)
+        if n in codes:  # a top.A8MatMul's weight operand: `_MixedInterpreter` reads the codes or `.float` instead
+            return np.broadcast_to(np.float32(0), tuple(model.checkpoint.weights.shape(n)))
         return host(n)
 
-    codes, rebuilt, loaded = _codes_of(values), {}, {}
+    shared = _one_copy(weights)
     local = threading.local()
-
-    def shared(n: str) -> np.ndarray:  # one copy of each weight for all threads' interpreters
-        array = loaded.get(n)
-        if array is None:
-            array = loaded[n] = weights(n)
-        return array
 
     def mixed(bf16: set[str]) -> _MixedInterpreter:  # this thread's interpreter, running `bf16` in bf16
         if not hasattr(local, "interp"):
@@ -635,39 +658,63 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     def embed(w: np.ndarray) -> np.ndarray:
         return mixed(set(names)).run("embedding", [w[None].astype(np.int32)])[0]
 
-    def nll(bf16: set[str], h: np.ndarray, w: np.ndarray, first_layer: int = 0) -> float:
+    def nll(bf16: set[str], h: np.ndarray, w: np.ndarray, first_layer: int = 0,
+            keep: dict[int, np.ndarray] | None = None, every: int = KEEP_EVERY) -> float:
         interp = mixed(bf16)
         for i in range(first_layer, spec.num_layers):
+            if keep is not None and i % every == 0:
+                keep[i] = h
             h = interp.run(f"block_{i}", [h, positions])[0]
         h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
         return token_nll(h[0, :-1] @ head.T, w[1:])
 
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="topq-int8")
 
-    def each(fn: Callable[[Any], float], items: Sequence[Any]) -> list[float]:  # in item order
+    def each(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:  # in item order
         return list(pool.map(fn, items))
 
-    def ppl(bf16: set[str], windows: np.ndarray = held_out) -> float:
-        total = sum(each(lambda w: nll(bf16, embed(w), w), windows))
-        return math.exp(total / (len(windows) * (windows.shape[1] - 1)))
+    reused = 0  # layer runs (per window) the search's evaluations took from earlier ones
+
+    def evaluate(bf16: set[str], earlier: Sequence[_Evaluation] = (), dense: int = 0) -> _Evaluation:
+        """Held-out perplexity with `bf16` in bf16. Each window resumes from the latest hidden state an `earlier`
+        evaluation kept in front of a layer before which both agree on every linear: the same inputs into the
+        same kernels, so the same bits as a run from the embedding. The first `dense` windows keep the state in
+        front of every layer (the sensitivity pass's prefixes)."""
+        nonlocal reused
+        start, base = 0, None
+        for other in earlier:  # every evaluation keeps the states in front of layers 0, KEEP_EVERY, 2·KEEP_EVERY…
+            first = min((layer_of[n] for n in bf16 ^ other.bf16), default=spec.num_layers - 1)
+            at = min(first, spec.num_layers - 1) // KEEP_EVERY * KEEP_EVERY
+            if at > start:
+                start, base = at, other
+
+        def window(i: int) -> tuple[float, dict[int, np.ndarray]]:
+            w, every = held_out[i], 1 if i < dense else KEEP_EVERY
+            if base is None:
+                keep: dict[int, np.ndarray] = {}
+                return nll(bf16, embed(w), w, 0, keep, every), keep
+            keep = {c: h for c, h in base.kept[i].items() if c < start and c % KEEP_EVERY == 0}  # the shared prefix
+            return nll(bf16, base.kept[i][start], w, start, keep, every), keep
+
+        results = each(window, range(len(held_out)))
+        reused += start * len(held_out)
+        total = sum(r[0] for r in results)
+        return _Evaluation(set(bf16), math.exp(total / (len(held_out) * (held_out.shape[1] - 1))),
+                           [r[1] for r in results])
 
     with blas_threads(fixed_threads() or 1):  # parallel are the threads (`jobs`), as in the layer loop
         try:
-            reference = ppl(set(names))
+            probe = held_out[:max(1, SENSITIVITY_TOKENS // held_out.shape[1])]
+            # the search's bracket, its ends' evaluations; the all-bf16 one also keeps the probe windows' prefixes
+            kept = {len(names): evaluate(set(names), dense=len(probe)), 0: evaluate(set())}
+            reference, current = kept[len(names)].ppl, kept[0].ppl
             limit = budget * reference
-            current = ppl(set())
             report: dict[str, Any] = {"bf16_ppl": reference, "int8_ppl": current, "budget": budget}
             chosen: list[str] = []
             if current > limit:
-                probe = held_out[:max(1, SENSITIVITY_TOKENS // held_out.shape[1])]
-                interp = mixed(set(names))
-                prefixes = []  # per probe window: the bf16 model's hidden state in front of every layer
-                for w in probe:
-                    h, states = embed(w), []
-                    for i in range(spec.num_layers):
-                        states.append(h)
-                        h = interp.run(f"block_{i}", [h, positions])[0]
-                    prefixes.append(states)
+                # per probe window: the bf16 model's hidden state in front of every layer
+                prefixes = [[kept[len(names)].kept[i][layer] for layer in range(spec.num_layers)]
+                            for i in range(len(probe))]
                 tokens = len(probe) * (probe.shape[1] - 1)
 
                 bar = tqdm(total=len(names), desc="int8 sensitivity", unit="linear")
@@ -686,13 +733,17 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
                 bar = tqdm(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision", unit="eval")
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
-                    results[mid] = ppl(set(order[:mid]))
+                    kept[mid] = evaluate(set(order[:mid]), [kept[lo], kept[hi]])
+                    results[mid] = kept[mid].ppl
                     bar.set_postfix_str(f"{mid} bf16: ppl {results[mid]:.3f} / {limit:.3f}")
                     bar.update()
                     lo, hi = (lo, mid) if results[mid] <= limit else (mid, hi)
+                    kept = {lo: kept[lo], hi: kept[hi]}
                 bar.close()
                 chosen, current = order[:hi], results[hi]
                 report["cut_evaluations"] = len(results) - 2
+                report["cut_ppl"] = [[k, results[k]] for k in sorted(results)]  # [bf16 linears, held-out perplexity]
+                report["cut_layers_reused"] = reused
                 report["sensitivity"] = {n: round(damage[n], 6) for n in order}  # mean NLL with only n in int8
             for n in chosen:
                 plan.modes[n] = "bf16"
@@ -733,7 +784,8 @@ class _ErrorInterpreter(Interpreter):
             else:
                 x = inputs[0].reshape(-1, inputs[0].shape[-1])
             for name in site.names:  # a site is seen once, at its first linear: the others read the same input
-                y = x.astype(np.float64) @ np.asarray(self.weights(name), np.float64).T
+                # float32 products: an error of 1e-3 or more is measured to 1e-7 of itself; the sums are float64
+                y = (x @ np.asarray(self.weights(name), np.float32).T).astype(np.float64)
                 d = y - self.quantized(name, x)
                 sums = self.sums.setdefault(name, [0.0, 0.0])
                 sums[0] += float(np.sum(d * d))
@@ -741,10 +793,11 @@ class _ErrorInterpreter(Interpreter):
 
 
 def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: np.ndarray,
-                 dynamic: bool, values: Mapping[str, QuantizedWeight]) -> list[dict[str, Any]]:
+                 dynamic: bool, values: Mapping[str, QuantizedWeight], jobs: int = 1) -> list[dict[str, Any]]:
     """Per linear, the relative Frobenius error ||XWᵀ − f(X)||/||XWᵀ|| of its planned form f (int8 with the plan's
     scales and smoothing, or bf16) against the float linear, X = the float model's inputs on the first
-    `REPORT_WINDOWS` calibration windows."""
+    `REPORT_WINDOWS` calibration windows. The windows run on `jobs` threads (one BLAS thread each, an interpreter
+    per thread); each window's sums are added in window order, so the report does not depend on `jobs`."""
     windows = windows[:REPORT_WINDOWS]
     cm = _calib_model(model, windows.shape[1], linears)
     store = model.checkpoint.weights
@@ -757,25 +810,43 @@ def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: n
         if name not in forms:
             if plan.modes[name] == "bf16":
                 w_eff = _effective(store.get, name, plan.smooth, cm.sites)
-                forms[name] = (round_to_dtype(w_eff, SCALE_DTYPE).astype(np.float64),)
+                forms[name] = (round_to_dtype(w_eff, SCALE_DTYPE),)
             else:
                 forms[name] = (values[name].codes.astype(np.float32), values[name].scales[:, 0])
         if plan.modes[name] == "bf16":
-            return x_s.astype(np.float64) @ forms[name][0].T
+            return (x_s @ forms[name][0].T).astype(np.float64)
         q, scale = forms[name]
         attrs = {"act_scale": 0.0 if dynamic else plan.act_scales[name], "dynamic": dynamic}
         if not dynamic and plan.out_scales.get(name):
             attrs["out_scale"] = plan.out_scales[name]
         return REFERENCE_OPS["top.MatMulInt8"]([x_s, q, scale], attrs)[0].astype(np.float64)
 
-    interp = _ErrorInterpreter(cm.module, cm.weights, cm.at_op, quantized)
     positions = np.arange(cm.seq_len, dtype=np.int32)[None]
-    for w in tqdm(windows, desc="int8 error report", unit="sample", disable=len(windows) < 2):
+    local, shared = threading.local(), _one_copy(cm.weights)
+    bar = tqdm(total=len(windows), desc="int8 error report", unit="sample", disable=len(windows) < 2)
+
+    def window_sums(w: np.ndarray) -> dict[str, list[float]]:
+        if not hasattr(local, "interp"):
+            local.interp = _ErrorInterpreter(cm.module, shared, cm.at_op, quantized)
+        interp = local.interp
+        interp.sums = {}
         h = interp.run("embedding", [w[None].astype(np.int32)])[0]
         for i in range(model.spec.num_layers):
             h = interp.run(f"block_{i}", [h, positions])[0]
+        bar.update()
+        return interp.sums
+
+    totals: dict[str, list[float]] = {}
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="topq-int8-report")
+    with blas_threads(fixed_threads() or 1), pool:
+        for sums in pool.map(window_sums, windows):
+            for name, (e, r) in sums.items():
+                total = totals.setdefault(name, [0.0, 0.0])
+                total[0] += e
+                total[1] += r
+    bar.close()
     return [{"name": n, "mode": plan.modes[n], "error": math.sqrt(e / r) if r > 0 else 0.0}
-            for n, (e, r) in sorted(interp.sums.items(), key=lambda kv: _natural(kv[0]))]
+            for n, (e, r) in sorted(totals.items(), key=lambda kv: _natural(kv[0]))]
 
 
 def _natural(name: str) -> list[Any]:
@@ -801,10 +872,12 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
         raise TopqError("quant scheme int8 does not support mixture-of-experts models (routed expert linears); "
                         "use rtn, gptq, awq or autoround")
     opts = Int8Options.from_recipe(recipe)
+    jobs = int(executor.jobs) if executor is not None and executor.name == "local" else 1  # threads of this process
     linears = _linear_names(model)
     store = model.checkpoint.weights
     table = Path(opts.table) if opts.table else None
     windows: np.ndarray | None = None  # none when the table is reused: no calibration data is read
+    values: dict[str, QuantizedWeight] | None = None  # the int8 linears' values (the search computes them first)
     if table is not None and table.exists():
         plan = Int8Plan.from_yaml(table.read_text(), str(table))
         seq_len = int(plan.info.get("seq_len", 16))
@@ -827,17 +900,18 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
         plan, cm = calibrate_plan(model, windows, linears, opts, executor)
         if opts.budget is not None:  # every planned linear is int8 until the search sends some back to bf16
             values = int8_values(store.get, plan, cm.sites)
-            jobs = int(executor.jobs) if executor is not None and executor.name == "local" else 1  # threads here
             plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic,
                                                            values, float_rewrites(store.get, plan, cm.sites), jobs)
         if table is not None:
             with atomic_file(table) as fh:
                 fh.write(plan.to_yaml().encode())
-    result = CalibrationResult(int8_values(store.get, plan, cm.sites))
+    if values is None:
+        values = int8_values(store.get, plan, cm.sites)
+    result = CalibrationResult({n: v for n, v in values.items() if plan.modes[n] == "int8"})
     result.float_weights = float_rewrites(store.get, plan, cm.sites)
     result.state["int8_table"] = plan.to_yaml()  # what `restore` rewrites the program from (workers that load this)
     if windows is not None:
-        result.report = error_report(model, plan, linears, windows, opts.dynamic, result)
+        result.report = error_report(model, plan, linears, windows, opts.dynamic, result, jobs)
     rewrite_program(model.module, plan, cm.sites, opts.dynamic)
     return result
 

@@ -28,18 +28,11 @@ import topq
 from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.quant import QuantizedWeight, QuantScheme
+from topq.ir.int8 import round_half_away
 from topq.ir.types import round_to_dtype
 from topq.quant.calibration import quantization_report
 from topq.quant.grid import code_range, make_quantized, resolve_group_size
 from topq.quant.options import WEIGHT_OPTIONS
-
-
-def round_half_away(x: np.ndarray) -> np.ndarray:
-    """C's std::round: halves go away from zero. numpy's rint rounds halves to even; only exact halves differ,
-    and x - trunc(x) is exact in x's own dtype, so ties are found and fixed without a float64 detour."""
-    x = np.asarray(x)
-    whole = np.trunc(x)
-    return np.where(np.abs(x - whole) == 0.5, whole + np.sign(x), np.rint(x)).astype(x.dtype, copy=False)
 
 
 def rtn_values(w: np.ndarray, bits: int, group_size: int, symmetric: bool) -> tuple[np.ndarray, ...]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -282,13 +283,15 @@ def soft_cap(scores: np.ndarray, cap: np.float32) -> None:
     scores *= cap
 
 
-def hide_outside_window(scores: np.ndarray, window: int) -> None:
-    """Sliding window over the trailing Lq keys of scores [..., Lq, Lk] (the queries' own tokens, bottom-right
-    aligned): query i loses new key j when i - j ≥ window. History columns are the mask's business."""
-    lq, lk = scores.shape[-2:]
-    i = np.arange(lq)[:, None]
-    j = np.arange(lq)[None, :]
-    np.copyto(scores[..., lk - lq:], np.float32(-np.inf), where=i - j >= window)
+def hide_outside_window(scores: np.ndarray, window: int, first: int = 0) -> None:
+    """Sliding window over scores [..., Lb, S] of queries first … first+Lb−1, whose trailing first+Lb keys are the
+    new ones (the queries' own tokens, bottom-right aligned; first = 0: the whole square): query i loses new key j
+    when i - j ≥ window. History columns are the mask's business."""
+    lb, seen = scores.shape[-2:]
+    new = min(first + lb, seen)
+    i = np.arange(first, first + lb)[:, None]
+    j = np.arange(new)[None, :]
+    np.copyto(scores[..., seen - new:], np.float32(-np.inf), where=i - j >= window)
 
 
 #: Causal attention runs in blocks of this many queries, each against only the keys it can see: the masked scores
@@ -325,41 +328,50 @@ def _fattention(inputs: list[np.ndarray], attrs: dict[str, Any]) -> list[np.ndar
     vt = v.transpose(0, 2, 1, 3)  # [B, Hkv, Lk, D]
     history = lk - lq  # bottom-right aligned: the first Lk-Lq keys are history every query may see
     block = QUERY_BLOCK if causal else lq
+    how = _Attention(np.float32(_attr(op, attrs, "scale")), causal, np.float32(attrs.get("softcap") or 0.0),
+                     int(attrs.get("window") or 0), history)
     out = np.empty((b, lq, hq * d), dtype=np.float32)
     for start in range(0, lq, block):
         stop = min(start + block, lq)
         seen = min(lk, max(1, history + stop)) if causal else lk  # the keys queries start..stop-1 may see
         rows = None if mask is None else mask[:, :, start:stop, :seen]
-        out[:, start:stop] = _attend(q[:, start:stop], kt[..., :seen], vt[:, :, :seen], rows, start, history, attrs)
+        out[:, start:stop] = _attend(q[:, start:stop], kt[..., :seen], vt[:, :, :seen], rows, start, how)
     return [out]
 
 
-def _attend(q: np.ndarray, kt: np.ndarray, vt: np.ndarray, mask: np.ndarray | None, first: int, history: int,
-            attrs: dict[str, Any]) -> np.ndarray:
+@dataclass(frozen=True)
+class _Attention:
+    """A `top.FAttention`'s attributes, read once for all its query blocks; history = Lk − Lq."""
+
+    scale: np.float32
+    causal: bool
+    softcap: np.float32
+    window: int
+    history: int
+
+
+def _attend(q: np.ndarray, kt: np.ndarray, vt: np.ndarray, mask: np.ndarray | None, first: int,
+            how: _Attention) -> np.ndarray:
     """Queries first.. (q [B, Lb, Hq, D]) against keys kt [B, Hkv, D, S], values vt [B, Hkv, S, D]: [B, Lb, Hq·D]."""
     b, lb, hq, d = q.shape
     hkv, seen = kt.shape[1], kt.shape[-1]
     g = hq // hkv
-    scale = np.float32(_attr("top.FAttention", attrs, "scale"))
-    softcap = np.float32(attrs.get("softcap") or 0.0)
-    window = int(attrs.get("window") or 0)
     # Query head h = kvh*g + j reads kv head kvh = h // g. Grouping the g query heads of a
     # kv head next to the query axis lets one batched matmul serve the whole group
     # without materialising repeated K/V.
     qg = q.transpose(0, 2, 1, 3).reshape(b, hkv, g * lb, d)  # [B, Hkv, g*Lb, D]
     scores = np.matmul(qg, kt)  # [B, Hkv, g*Lb, S], freshly allocated
-    scores *= scale
+    scores *= how.scale
     scores = scores.reshape(b, hq, lb, seen)  # contiguous: a free view
-    if softcap > 0:
-        soft_cap(scores, softcap)
+    if how.softcap > 0:
+        soft_cap(scores, how.softcap)
     if mask is not None:
         np.add(scores, mask, out=scores)
-    last = np.arange(first, first + lb)[:, None] + history  # per query: the last key it may see (causal)
-    j = np.arange(seen)[None, :]
-    if bool(attrs.get("causal", True)):
-        np.copyto(scores, np.float32(-np.inf), where=j > last)
-    if window > 0:  # a query loses the new keys `window` or more behind it; history columns are the mask's business
-        np.copyto(scores, np.float32(-np.inf), where=(j >= history) & (last - j >= window))
+    if how.causal:  # query first+r sees the keys up to its own, history + first + r
+        last = np.arange(first, first + lb)[:, None] + how.history
+        np.copyto(scores, np.float32(-np.inf), where=np.arange(seen)[None, :] > last)
+    if how.window > 0:
+        hide_outside_window(scores, how.window, first)
     m = scores.max(axis=-1, keepdims=True)
     dead = m <= FULLY_MASKED_SCORE
     m[dead] = 0  # exp(score - 0) underflows to 0 for every masked score -> zero row

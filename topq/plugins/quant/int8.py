@@ -699,7 +699,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
         results = each(window, range(len(held_out)))
         reused += start * len(held_out)
         total = sum(r[0] for r in results)
-        return _Evaluation(set(bf16), math.exp(total / (len(held_out) * (held_out.shape[1] - 1))),
+        return _Evaluation(bf16, math.exp(total / (len(held_out) * (held_out.shape[1] - 1))),
                            [r[1] for r in results])
 
     with blas_threads(fixed_threads() or 1):  # parallel are the threads (`jobs`), as in the layer loop

@@ -238,3 +238,20 @@ def test_rtn_reports_the_output_error_per_linear(tiny: Path, tmp_path: Path,
 
     without = convert(_recipe(tiny, "w4bf16", tmp_path / "plain.topq", data=False, group_size=32), progress=False)
     assert without["quant_report"] == []
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "int8"])
+def test_convert_without_progress_shows_no_bars(tiny: Path, tmp_path: Path, scheme: str,
+                                                capfd: pytest.CaptureFixture[str]) -> None:
+    """`convert(progress=False)` hides every bar, the calibration's on the layer loop's threads included; with
+    progress the same conversion shows them (so the first assertion could fail)."""
+    from topq.core.pipeline import convert
+
+    recipe = _recipe(tiny, scheme, tmp_path / "model.topq", **QUANT[scheme])
+    convert(recipe, progress=False, jobs=2)
+    quiet = capfd.readouterr().err
+    convert(recipe, progress=True, jobs=2)
+    shown = capfd.readouterr().err
+    # every tqdm bar draws a "…%|████|" frame; the calibration's bar is named after its scheme
+    assert "%|" in shown and scheme in shown
+    assert "%|" not in quiet, quiet

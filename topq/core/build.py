@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm import tqdm
 
 import topq
 from topq.core.calibration_result import CalibrationResult, save_calibration
 from topq.core.checkpoint import WeightStore
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor
+from topq.core.progress import progress_bar
 from topq.core.target import CompiledModel
 from topq.io.safetensors import SafetensorsFile, SafetensorsWriter, TensorData
 from topq.ir.printer import print_function
@@ -219,7 +219,7 @@ def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path |
     todo = [unit for unit in units if not _reusable(paths[unit], units[unit], manifest)]
     stats.built, stats.reused = len(todo), len(units) - len(todo)
     tasks = [(prepared.recipe, units[unit], str(paths[unit]), prepared.calibration_file) for unit in todo]
-    for _ in tqdm(executor.map(task, tasks), total=len(tasks), desc=f"compile units ({executor.name})",
+    for _ in progress_bar(executor.map(task, tasks), total=len(tasks), desc=f"compile units ({executor.name})",
                   unit="unit", disable=not progress or not tasks):
         pass
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 import topq
 from topq.core.build import (
@@ -33,6 +32,7 @@ from topq.core.errors import TopqError
 from topq.core.executors import TaskExecutor, make_executor
 from topq.core.family import ModelFamily, ModelSpec, find_family
 from topq.core.plugins import Plugins, get_plugins
+from topq.core.progress import progress_bar, showing_progress
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, QuantSpec, SchemeProduct, resolve_group_size
 from topq.core.recipe import Recipe
 from topq.core.stages import StageConfig, build_program, layer_carries, rope_weights
@@ -315,11 +315,12 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
     phases = PhaseTimer()
     cache = (cache_dir or default_cache_dir()) if use_cache else None
     check_writable(Path(recipe.output.path), [("build cache", cache), ("--dump-ir", dump_dir)], "bundle file")
-    runner = make_executor(executor, jobs, ray_address)
-    try:
-        return _convert(recipe, dump_dir, progress, runner, cache, started, phases)
-    finally:
-        runner.close()
+    with showing_progress(progress):  # also the bars of calibration and of plugins, which get no `progress`
+        runner = make_executor(executor, jobs, ray_address)
+        try:
+            return _convert(recipe, dump_dir, progress, runner, cache, started, phases)
+        finally:
+            runner.close()
 
 
 def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: TaskExecutor, cache_dir: Path | None,
@@ -361,7 +362,7 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
         manifest, tensors = bundle_tensors(prepared, runner, cache_dir, progress, stats, compile_unit)
         runner.close()  # every unit is built; reaping the workers also counts their peak RSS in the phase report
         phases.mark("units")
-        write_bundle(output, manifest, tqdm(tensors, total=len(manifest), desc="write bundle", unit="tensor",
+        write_bundle(output, manifest, progress_bar(tensors, total=len(manifest), desc="write bundle", unit="tensor",
                                             disable=not progress), meta)
         phases.mark("write")
     finally:

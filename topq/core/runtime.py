@@ -297,7 +297,7 @@ class ChatSession:
 def perplexity(bundle: Bundle, ids: Sequence[int], window: int | None = None,
                executor: Executor | None = None) -> tuple[float, int]:
     """exp(mean negative log-likelihood) over independent windows; returns (perplexity, predicted tokens)."""
-    from tqdm import tqdm
+    from topq.core.progress import progress_bar
 
     session = Session(bundle, executor)
     window = min(window or session.seq_length, session.seq_length)
@@ -305,7 +305,7 @@ def perplexity(bundle: Bundle, ids: Sequence[int], window: int | None = None,
         raise TopqError("need at least two tokens for perplexity")
     total, count = 0.0, 0
     starts = range(0, len(ids) - 1, window)
-    for start in tqdm(starts, desc="eval", unit="window", disable=len(starts) < 2):
+    for start in progress_bar(starts, desc="eval", unit="window", disable=len(starts) < 2):
         chunk = list(ids[start:start + window])
         if len(chunk) < 2:
             break

@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm import tqdm
 
 from topq.core.calibration_result import CalibrationResult, load_calibration, save_calibration
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
+from topq.core.progress import progress_bar
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
 from topq.core.stages import rope_weights
 from topq.ir.analysis import linear_uses, producer, weight_name
@@ -94,7 +94,7 @@ def read_token_stream(path: str | Path, tokenizer_files: Mapping[str, str] | Non
         files = [root]
     tokenizer = None
     streams: list[np.ndarray] = []
-    for file in tqdm(files, desc="calibration data", unit="file", disable=not progress or len(files) < 2):
+    for file in progress_bar(files, desc="calibration data", unit="file", disable=not progress or len(files) < 2):
         suffix = file.suffix.lower()
         if suffix == ".npy":
             streams.append(_read_npy(file))
@@ -186,7 +186,8 @@ def _split_text(text: str, size: int = _TEXT_CHUNK) -> list[str]:
 def _tokenize(tokenizer: Any, texts: Sequence[str], source: Path, progress: bool) -> list[np.ndarray]:
     chunks = [piece for text in texts for piece in _split_text(text)]
     out = []
-    for chunk in tqdm(chunks, desc=f"tokenize {source.name}", unit="chunk", disable=not progress or len(chunks) < 4):
+    for chunk in progress_bar(chunks, desc=f"tokenize {source.name}", unit="chunk",
+                              disable=not progress or len(chunks) < 4):
         ids = tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]
         out.append(np.asarray(ids, dtype=np.int64))
     return out
@@ -826,7 +827,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     tasks = _ThreadTasks(executor.jobs) if executor.name == "local" and executor.jobs > 1 else executor
     chunk = _chunk_size(tasks, samples)
     solver_map = tasks.map_list if isinstance(tasks, _ThreadTasks) else serial_map
-    bar = tqdm(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
+    bar = progress_bar(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
     with blas_threads(fixed_threads() or 1):
         try:
             for layer, layer_plans in enumerate(plans):

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 import topq
 from topq.core.hookspecs import Register
+from topq.core.progress import progress_bar
 from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
 from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
@@ -124,7 +124,7 @@ def autoround(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | Non
     best_loss = np.full(n, np.inf)
     best = (v.copy(), alpha.copy(), beta.copy())
     lo_b, hi_b = SCALE_BOUNDS
-    for step in tqdm(range(iters + 1), desc="autoround", unit="step", disable=not progress, leave=False):
+    for step in progress_bar(range(iters + 1), desc="autoround", unit="step", disable=not progress, leave=False):
         f = _forward(wg, wmin, wmax, v, alpha, beta, bits, symmetric)
         d = f.y.reshape(n, k) - w32
         dh = d @ h32

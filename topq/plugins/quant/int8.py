@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 import yaml
-from tqdm import tqdm
 
 import topq
 from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
+from topq.core.progress import progress_bar
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
 from topq.core.recipe import Field
 from topq.core.stages import rope_weights
@@ -338,7 +338,7 @@ def _run_float(cm: _CalibModel, interp: _ObserveInterpreter, windows: np.ndarray
     starts = range(0, len(windows), chunk)
     inv_smooth = interp.inv_smooth
     handle = executor.share(job)
-    bar = tqdm(total=len(windows), desc=desc, unit="sample", disable=len(windows) < 2)
+    bar = progress_bar(total=len(windows), desc=desc, unit="sample", disable=len(windows) < 2)
     try:
         tasks = [(handle, np.ascontiguousarray(windows[a:a + chunk])) for a in starts]
         for a, partial in zip(starts, executor.map(_observe_task, tasks)):
@@ -717,7 +717,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
                             for i in range(len(probe))]
                 tokens = len(probe) * (probe.shape[1] - 1)
 
-                bar = tqdm(total=len(names), desc="int8 sensitivity", unit="linear")
+                bar = progress_bar(total=len(names), desc="int8 sensitivity", unit="linear")
 
                 def sensitivity(n: str) -> float:
                     layer = layer_of[n]
@@ -730,7 +730,8 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
                 order = sorted(names, key=lambda n: -damage[n])
                 lo, hi = 0, len(order)  # invariant: keeping order[:hi] in bf16 meets the budget (all bf16 does)
                 results = {hi: reference, 0: current}
-                bar = tqdm(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision", unit="eval")
+                bar = progress_bar(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision",
+                                   unit="eval")
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
                     kept[mid] = evaluate(set(order[:mid]), [kept[lo], kept[hi]])
@@ -823,7 +824,7 @@ def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: n
 
     positions = np.arange(cm.seq_len, dtype=np.int32)[None]
     local, shared = threading.local(), _one_copy(cm.weights)
-    bar = tqdm(total=len(windows), desc="int8 error report", unit="sample", disable=len(windows) < 2)
+    bar = progress_bar(total=len(windows), desc="int8 error report", unit="sample", disable=len(windows) < 2)
 
     def window_sums(w: np.ndarray) -> dict[str, list[float]]:
         if not hasattr(local, "interp"):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from topq.core.progress import progress_bar
 from topq.ir.errors import TopqError
 
 ENV_VAR = "TOPQ_TPU_MLIR"
@@ -74,7 +74,7 @@ def deploy_all(tpu: TpuMlir, jobs: Sequence[tuple[Path, list[str]]], workers: in
     """Run model_deploy.py for each (net directory, arguments) in parallel; the first failure is raised."""
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         futures = {pool.submit(run_tool, tpu, "model_deploy.py", args, cwd, "deploy.log"): cwd for cwd, args in jobs}
-        bar = tqdm(total=len(futures), desc="model_deploy", unit="net", disable=not progress)
+        bar = progress_bar(total=len(futures), desc="model_deploy", unit="net", disable=not progress)
         try:
             for future in as_completed(futures):
                 future.result()

@@ -1,10 +1,5 @@
-"""Progress bars, with one switch for the whole process.
-
-Long work shows a tqdm bar on stderr. A caller that wants quiet (`convert(progress=False)`, the CLI's `--json`)
-says so once with `showing_progress(False)`; every bar made meanwhile, on any thread and inside any plugin that
-uses `progress_bar`, stays hidden. A process-wide flag, not a context variable, because calibration makes its
-bars on the layer loop's threads too.
-"""
+"""Progress bars, one switch per process: inside `showing_progress(False)` every `progress_bar` stays hidden, on any
+thread (a global, not a context variable: calibration makes bars on the layer loop's threads)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator

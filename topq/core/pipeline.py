@@ -363,7 +363,7 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
         runner.close()  # every unit is built; reaping the workers also counts their peak RSS in the phase report
         phases.mark("units")
         write_bundle(output, manifest, progress_bar(tensors, total=len(manifest), desc="write bundle", unit="tensor",
-                                            disable=not progress), meta)
+                                                    disable=not progress), meta)
         phases.mark("write")
     finally:
         if stored is not None:

@@ -195,8 +195,8 @@ class BuildStats:
     reused: int = 0
 
 
-def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path | None, progress: bool,
-                   stats: BuildStats, task: UnitTask,
+def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path | None, stats: BuildStats,
+                   task: UnitTask,
                    ) -> tuple[list[tuple[str, Any, tuple[int, ...]]], Iterator[tuple[str, TensorData]]]:
     """(manifest in bundle order, the tensors to stream). Builds missing units first (each with `task`); without a
     cache and in this process, tensors stream straight from the compiler."""
@@ -220,7 +220,7 @@ def bundle_tensors(prepared: Prepared, executor: TaskExecutor, cache_dir: Path |
     stats.built, stats.reused = len(todo), len(units) - len(todo)
     tasks = [(prepared.recipe, units[unit], str(paths[unit]), prepared.calibration_file) for unit in todo]
     for _ in progress_bar(executor.map(task, tasks), total=len(tasks), desc=f"compile units ({executor.name})",
-                          unit="unit", disable=not progress or not tasks):
+                          unit="unit", disable=not tasks):
         pass
 
     def stream() -> Iterator[tuple[str, TensorData]]:

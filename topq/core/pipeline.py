@@ -315,16 +315,16 @@ def convert(recipe: Recipe, dump_dir: Path | None = None, progress: bool = True,
     phases = PhaseTimer()
     cache = (cache_dir or default_cache_dir()) if use_cache else None
     check_writable(Path(recipe.output.path), [("build cache", cache), ("--dump-ir", dump_dir)], "bundle file")
-    with showing_progress(progress):  # also the bars of calibration and of plugins, which get no `progress`
+    with showing_progress(progress):  # every bar of the conversion, calibration's and plugins' included
         runner = make_executor(executor, jobs, ray_address)
         try:
-            return _convert(recipe, dump_dir, progress, runner, cache, started, phases)
+            return _convert(recipe, dump_dir, runner, cache, started, phases)
         finally:
             runner.close()
 
 
-def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: TaskExecutor, cache_dir: Path | None,
-             started: float, phases: PhaseTimer) -> dict[str, Any]:
+def _convert(recipe: Recipe, dump_dir: Path | None, runner: TaskExecutor, cache_dir: Path | None, started: float,
+             phases: PhaseTimer) -> dict[str, Any]:
     plugins = get_plugins()  # said once, by the converting process (workers that prepare again stay quiet)
     warn_unused_options(recipe.to_dict()["quant"], plugins.scheme_options,
                         (plugins.schemes.get(recipe.quant.scheme), plugins.schemes.get(recipe.quant.lm_head)))
@@ -359,11 +359,11 @@ def _convert(recipe: Recipe, dump_dir: Path | None, progress: bool, runner: Task
     # Workers that do not inherit this process (Ray) load the calibration result instead of recomputing it.
     stored = None if runner.shares_memory else store_calibration(prepared, cache_dir)
     try:
-        manifest, tensors = bundle_tensors(prepared, runner, cache_dir, progress, stats, compile_unit)
+        manifest, tensors = bundle_tensors(prepared, runner, cache_dir, stats, compile_unit)
         runner.close()  # every unit is built; reaping the workers also counts their peak RSS in the phase report
         phases.mark("units")
-        write_bundle(output, manifest, progress_bar(tensors, total=len(manifest), desc="write bundle", unit="tensor",
-                                                    disable=not progress), meta)
+        write_bundle(output, manifest, progress_bar(tensors, total=len(manifest), desc="write bundle", unit="tensor"),
+                     meta)
         phases.mark("write")
     finally:
         if stored is not None:

@@ -48,6 +48,9 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # as llm-compressor keeps a float32 model: scales and lm_head in float32 (topq's default is bf16 for both)
     "gptq-static-f32": ("GPTQ act-order, static, f32 scales + lm_head", "gptq",
                         {"act_order": True, "static_groups": True, "act_dtype": "f32", "lm_head": "f32"}),
+    "gptq-static-f32-mse": ("GPTQ act-order, static, f32, MSE ranges", "gptq",
+                            {"act_order": True, "static_groups": True, "act_dtype": "f32", "lm_head": "f32",
+                             "scale_search": "mse"}),
     "awq": ("AWQ (scale + clip)", "awq", {"clip": True}),
     "autoround": ("AutoRound", "autoround", {}),
     # the row (docs/quantization.md's int8 table): the budget on held-out EMMA is tighter than the 1.05 ×

@@ -58,6 +58,39 @@ def params_from_range(wmin: np.ndarray, wmax: np.ndarray, bits: int,
     return scale, zero
 
 
+def search_range(groups: np.ndarray, bits: int, symmetric: bool, axis: int,
+                 importance: np.ndarray | None = None, max_shrink: float = 0.2,
+                 steps: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """Scale and zero point per group (groups run along `axis`) from the range [p·min, p·max], p = 1, 1 − 0.01, …
+    (`steps` values down to 1 − max_shrink), whichever rounds the group with the least Σ importance · (w − ŵ)².
+
+    `importance` broadcasts against `groups` (GPTQ passes diag(H): the output error of each input channel, to the
+    diagonal approximation); None weighs all weights alike. Ties keep the wider range, so the result is
+    min/max's wherever shrinking does not help. Computed in float32 (the solvers' precision); the parameters are
+    `params_from_range`'s."""
+    g = np.asarray(groups, dtype=np.float32)
+    wmin, wmax = g.min(axis=axis), g.max(axis=axis)
+    best_err = np.full(wmin.shape, np.inf)
+    best_scale = best_zero = np.zeros(wmin.shape)
+    for step in range(steps):
+        shrink = 1.0 - max_shrink * step / steps
+        scale, zero = params_from_range(wmin * shrink, wmax * shrink, bits, symmetric)
+        s = np.expand_dims(scale, axis).astype(np.float32)
+        z = np.expand_dims(zero, axis).astype(np.float32)
+        d = quantize_values(g, s, z, bits, symmetric)
+        d -= z
+        d *= s
+        d -= g
+        d *= d
+        if importance is not None:
+            d *= importance
+        err = d.sum(axis=axis, dtype=np.float64)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_scale, best_zero = np.where(better, scale, best_scale), np.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
 def quantize_values(w: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int,
                     symmetric: bool) -> np.ndarray:
     """Integer codes (as floats) of `w` with broadcastable scale/zero: clamp(round(w / scale) + zero)."""

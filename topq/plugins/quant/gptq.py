@@ -24,6 +24,7 @@ from topq.quant.grid import (
     params_from_range,
     quantize_values,
     resolve_group_size,
+    search_range,
 )
 
 
@@ -67,7 +68,7 @@ def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
 
 def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
          act_order: bool = False, damp: float = 0.01, block_size: int = 128,
-         static_groups: bool = False) -> QuantizedWeight:
+         static_groups: bool = False, scale_search: str = "minmax") -> QuantizedWeight:
     """Quantize W [N, K] minimising ||X Wᵀ - X Ŵᵀ||² for inputs with H = XᵀX (any positive multiple works).
 
     act_order: columns are processed by decreasing diag(H) (the most active inputs first, while most
@@ -78,6 +79,9 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
     static_groups: each group's parameters come from the weights before any update, groups in column order
     (AutoGPTQ's `static_groups`, llm-compressor's `actorder: static`); with act_order the columns are still
     solved in activation order, and the result has plain groups (no g_idx), which every target runs.
+
+    scale_search: "minmax" takes each group's range as it is; "mse" shrinks it where that rounds the group with
+    less diag(H)-weighted squared error (`search_range`), with the group's weights as the solver sees them.
     """
     w = np.asarray(w, dtype=np.float64)
     h = np.asarray(h, dtype=np.float64)
@@ -87,6 +91,8 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
     bits = check_bits(bits)
     gs = resolve_group_size(group_size, k)
     block_size = max(1, int(block_size))
+    if scale_search not in ("minmax", "mse"):
+        raise TopqError(f"gptq: scale_search must be minmax or mse, got {scale_search!r}")
 
     H = h.copy()
     # An input channel that never fired carries no information: quantize its weights as zeros, as the reference.
@@ -103,9 +109,15 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
     scales = np.zeros((k // gs, n), dtype=np.float64)
     zeros = np.zeros((k // gs, n), dtype=np.float64)
     scale = zero = np.zeros(n)
+    importance = np.diag(H)[:, None].astype(np.float32)  # [K, 1] in solving order
     if static_groups:  # [groups, N], from the weights before any update (dead columns as zeros)
         groups = np.where(dead[:, None], 0.0, w.T).reshape(k // gs, gs, n)
-        scales, zeros = params_from_range(groups.min(axis=1), groups.max(axis=1), bits, symmetric)
+        if scale_search == "mse":
+            in_column_order = np.empty_like(importance)
+            in_column_order[perm] = importance
+            scales, zeros = search_range(groups, bits, symmetric, 1, in_column_order.reshape(k // gs, gs, 1))
+        else:
+            scales, zeros = params_from_range(groups.min(axis=1), groups.max(axis=1), bits, symmetric)
         group_of = perm // gs  # the group of the column solved at each position
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
@@ -119,7 +131,10 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
             elif col % gs == 0:
                 # Group parameters from the weights as updated so far (all earlier error already folded in).
                 group = np.concatenate([W1[i:i + gs], Wt[i2:col + gs]], axis=0)
-                scale, zero = params_from_range(group.min(axis=0), group.max(axis=0), bits, symmetric)
+                if scale_search == "mse":
+                    scale, zero = search_range(group, bits, symmetric, 0, importance[col:col + gs])
+                else:
+                    scale, zero = params_from_range(group.min(axis=0), group.max(axis=0), bits, symmetric)
                 scales[col // gs], zeros[col // gs] = scale, zero
             q = quantize_values(W1[i], scale, zero, bits, symmetric)
             codes[col] = q
@@ -148,7 +163,8 @@ def solve(weight: np.ndarray, stats: InputStats, options: Mapping[str, Any]) -> 
     """GPTQ for linears sharing an input (stacked along N: every row sees the same H, so one call solves them)."""
     return gptq(weight, stats.hessian(), bits=options["bits"], group_size=options["group_size"],
                 symmetric=options["symmetric"], act_order=options["act_order"], damp=options["damp"],
-                block_size=options["block_size"], static_groups=options["static_groups"])
+                block_size=options["block_size"], static_groups=options["static_groups"],
+                scale_search=options["scale_search"])
 
 
 OPTIONS = (
@@ -157,12 +173,16 @@ OPTIONS = (
     Option("block_size", Field("int", 128, ge=1, help="gptq: columns per lazy-update block")),
     Option("static_groups", Field("bool", False, help="gptq: group parameters from the unsolved weights, groups in "
                                                       "column order (act_order without a permuted g_idx)")),
+    Option("scale_search", Field("str", "minmax", choices=("minmax", "mse"),
+                                 help="gptq: group ranges as min/max, or shrunk where that lowers the "
+                                      "diag(H)-weighted rounding error")),
 )
 
 
 def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
     return {"act_order": bool(quant["act_order"]), "damp": float(quant["damp"]),
-            "block_size": int(quant["block_size"]), "static_groups": bool(quant["static_groups"])}
+            "block_size": int(quant["block_size"]), "static_groups": bool(quant["static_groups"]),
+            "scale_search": str(quant["scale_search"])}
 
 
 SCHEME = calibration_scheme(

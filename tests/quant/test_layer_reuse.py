@@ -22,7 +22,7 @@ from topq.quant.reuse import LayerValues
 
 SEQ, SAMPLES = 16, 3
 OPTIONS = {"bits": 4, "group_size": 32, "symmetric": False, "act_order": True, "damp": 0.01, "block_size": 128,
-           "static_groups": False, "clip": True, "expert_min_tokens": 4}
+           "static_groups": False, "scale_search": "minmax", "clip": True, "expert_min_tokens": 4}
 SOLVERS = {"gptq": stacked_solver(gptq.solve), "awq": awq.solve_group}  # AWQ folds scales into earlier ops
 
 

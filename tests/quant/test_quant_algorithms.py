@@ -17,10 +17,11 @@ from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
+from topq.plugins.quant import gptq as gptq_module
 from topq.plugins.quant.autoround import ROW_CHUNK, _backward, _forward, autoround
 from topq.plugins.quant.autoround import solve_group as autoround_group
 from topq.plugins.quant.awq import awq, awq_clip_search, awq_scale_search
-from topq.plugins.quant.gptq import _upper_inverse_factor, gptq
+from topq.plugins.quant.gptq import _upper_inverse_factor, gptq, row_blocks
 from topq.quant.calibration import GroupInputs, LayerState
 from topq.quant.grid import (
     code_range,
@@ -214,6 +215,28 @@ def test_gptq_mse_scale_search_lowers_the_error(problem: Any, static_groups: boo
         np.testing.assert_array_equal(mse.zeros, zero.T)
     with pytest.raises(TopqError, match="scale_search must be minmax or mse"):
         gptq(w, h, 4, 32, False, scale_search="l1")
+
+
+@pytest.mark.parametrize("static_groups, scale_search", [(False, "minmax"), (True, "minmax"), (False, "mse")])
+def test_gptq_row_blocks_on_threads_give_the_one_block_result(problem: Any, static_groups: bool, scale_search: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows never interact: the row blocks, run serially or on two threads, give the codes, scales and zeros of all
+    rows solved in one block."""
+    w, _, h = problem
+    w = np.concatenate([w, w[::-1] * 0.5, w[:37]])  # 165 rows: three uneven blocks of 20
+    assert [(b.start, b.stop) for b in row_blocks(1000)] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    monkeypatch.setattr(gptq_module, "ROW_BLOCK", 20)
+    assert len(row_blocks(len(w))) == 9
+    calls: list[int] = []
+    options = dict(act_order=True, static_groups=static_groups, scale_search=scale_search)
+    serial = gptq(w, h, 4, 32, False, **options)
+    threaded = gptq(w, h, 4, 32, False, **options, map=threaded_map(calls))
+    monkeypatch.setattr(gptq_module, "ROW_BLOCK", 10_000)
+    whole = gptq(w, h, 4, 32, False, **options)
+    assert calls == [9]
+    for q in (serial, threaded):
+        for field in ("codes", "scales", "zeros", "g_idx"):
+            np.testing.assert_array_equal(getattr(q, field), getattr(whole, field))
 
 
 def test_gptq_dead_inputs_and_shape_errors() -> None:

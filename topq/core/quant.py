@@ -136,10 +136,10 @@ class QuantScheme:
 
     `observe` and `solve` are the two halves of a layer-wise calibrated scheme: `observe(k)` a fresh accumulator of
     the statistics of one linear input with k channels (`InputObserver`), `solve(weight [N, K], stats, options)` the
-    QuantizedWeight of linears that share that input (stacked along N) from its statistics. Such a scheme is built
-    with `topq.quant.calibration.calibration_scheme(..., solve=, observe=)`, whose `calibrate` runs the layer loop
-    with them; schemes that need more than one weight at a time (AWQ folds scales into the previous op) give the
-    loop a group solver instead and leave `solve` None.
+    QuantizedWeight of linears sharing that input (stacked along N) from its statistics (a `map=` keyword, if
+    declared, gets `GroupInputs.map`). Built with `topq.quant.calibration.calibration_scheme(solve=, observe=)`, whose
+    `calibrate` runs the layer loop; schemes that need more than one weight at a time (AWQ folds scales into the
+    previous op) give the loop a group solver instead and leave `solve` None.
     """
 
     name: str

@@ -26,6 +26,7 @@ Solvers live in the scheme plugins; they read weights and publish results throug
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import re
@@ -581,18 +582,21 @@ def _capture_point(plan: _GroupPlan) -> Operation:
 
 
 GroupSolver = Callable[[GroupInputs, LayerState, Mapping[str, Any]], None]
-#: `QuantScheme.solve`: (weights sharing an input, stacked [N, K], that input's statistics, options) → QuantizedWeight
-WeightSolver = Callable[[np.ndarray, Any, Mapping[str, Any]], QuantizedWeight]
+#: `QuantScheme.solve`: (weights sharing an input, stacked [N, K], that input's statistics, options) → QuantizedWeight;
+#: a solver with a `map` keyword also gets `GroupInputs.map` for its independent parts
+WeightSolver = Callable[..., QuantizedWeight]
 
 
 def stacked_solver(solve: WeightSolver) -> GroupSolver:
     """The group solver of a per-weight solver: the group's linears stacked along N, solved once (a solver driven by
     input statistics treats rows alike), split back, and — with `InputStats` — each one's output error logged
     beside RTN's through the same H (the calibration report)."""
+    takes_map = "map" in inspect.signature(solve).parameters
 
     def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any]) -> None:
         weights = [state.float_weight(name) for name in group.names]
-        state.set_quantized_rows(group.names, solve(np.concatenate(weights, axis=0), group.stats, options))
+        extra = {"map": group.map} if takes_map else {}
+        state.set_quantized_rows(group.names, solve(np.concatenate(weights, axis=0), group.stats, options, **extra))
         if isinstance(group.stats, InputStats):  # the error report is measured through H
             state.record(group.names, weights, [state.current_weight(n) for n in group.names],
                          group.stats.hessian(), options["bits"], options["group_size"], options["symmetric"])

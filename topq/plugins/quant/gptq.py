@@ -8,6 +8,7 @@ row sees the same H), so linears that share an input (q/k/v, gate/up) are stacke
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
-from topq.quant.calibration import InputStats, calibration_scheme
+from topq.quant.calibration import InputStats, MapFn, calibration_scheme, serial_map
 from topq.quant.grid import (
     check_bits,
     make_quantized,
@@ -66,9 +67,81 @@ def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
     raise TopqError("gptq: the calibration Hessian is not positive definite even with heavy dampening")
 
 
+#: rows per column loop: `gptq` solves row blocks of about this size apart (rows never interact), on the layer
+#: loop's threads when it has them; the blocks depend only on N, so the result does not depend on the jobs
+ROW_BLOCK = 320
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """What every row block's column loop shares: the Cholesky factor, the column order and the grid."""
+
+    u: np.ndarray  # [K, K] float32, upper factor of (H + λI)⁻¹ in solving order
+    importance: np.ndarray  # [K, 1] diag(H) in solving order (the mse search's weights)
+    perm: np.ndarray  # solving position → column
+    dead: np.ndarray  # [K] bool: input channels that never fired
+    bits: int
+    gs: int
+    symmetric: bool
+    block_size: int
+    static_groups: bool
+    mse: bool
+
+    def group_params(self, groups: np.ndarray, axis: int, importance: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.mse:
+            return search_range(groups, self.bits, self.symmetric, axis, importance)
+        return params_from_range(groups.min(axis=axis), groups.max(axis=axis), self.bits, self.symmetric)
+
+    def solve(self, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Codes [K, n] in solving order and scales / zeros [groups, n] of the rows w [n, K] (float64)."""
+        k, n = len(self.perm), w.shape[0]
+        gs, bits, symmetric, U = self.gs, self.bits, self.symmetric, self.u
+        # Work on Wᵀ in float32 (as the reference): a column of W is then a contiguous row, so the per-column
+        # error updates touch contiguous memory, at half the bytes of float64.
+        Wt = np.where(self.dead[:, None], 0.0, w.T)[self.perm].astype(np.float32)
+        codes = np.zeros((k, n), dtype=np.float32)
+        scales = np.zeros((k // gs, n), dtype=np.float64)
+        zeros = np.zeros((k // gs, n), dtype=np.float64)
+        scale = zero = np.zeros(n)
+        if self.static_groups:  # [groups, N], from the weights before any update (dead columns as zeros)
+            importance = np.empty_like(self.importance)
+            importance[self.perm] = self.importance  # in column order
+            groups = np.where(self.dead[:, None], 0.0, w.T).reshape(k // gs, gs, n)
+            scales, zeros = self.group_params(groups, 1, importance.reshape(k // gs, gs, 1))
+            group_of = self.perm // gs  # the group of the column solved at each position
+        for i1 in range(0, k, self.block_size):
+            i2 = min(i1 + self.block_size, k)
+            W1 = Wt[i1:i2].copy()
+            err1 = np.zeros_like(W1)
+            U1 = U[i1:i2, i1:i2]
+            for i in range(i2 - i1):
+                col = i1 + i
+                if self.static_groups:
+                    scale, zero = scales[group_of[col]], zeros[group_of[col]]
+                elif col % gs == 0:
+                    # Group parameters from the weights as updated so far (all earlier error already folded in).
+                    group = np.concatenate([W1[i:i + gs], Wt[i2:col + gs]], axis=0)
+                    scale, zero = self.group_params(group, 0, self.importance[col:col + gs])
+                    scales[col // gs], zeros[col // gs] = scale, zero
+                q = quantize_values(W1[i], scale, zero, bits, symmetric)
+                codes[col] = q
+                err = ((W1[i] - (q - zero) * scale) / U1[i, i]).astype(np.float32)
+                W1[i:] -= U1[i, i:, None] * err  # the outer product, without np.outer's overhead
+                err1[i] = err
+            # Lazy batch update: the rest of the matrix sees this block's errors in one GEMM.
+            Wt[i2:] -= U[i1:i2, i2:].T @ err1
+        return codes, scales, zeros
+
+
+def row_blocks(n: int) -> list[slice]:
+    """N rows as ceil(N / ROW_BLOCK) blocks of near-equal size, in order."""
+    bounds = np.linspace(0, n, max(1, -(-n // ROW_BLOCK)) + 1).round().astype(int).tolist()
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
          act_order: bool = False, damp: float = 0.01, block_size: int = 128,
-         static_groups: bool = False, scale_search: str = "minmax") -> QuantizedWeight:
+         static_groups: bool = False, scale_search: str = "minmax", map: MapFn = serial_map) -> QuantizedWeight:
     """Quantize W [N, K] minimising ||X Wᵀ - X Ŵᵀ||² for inputs with H = XᵀX (any positive multiple works).
 
     act_order: columns are processed by decreasing diag(H) (the most active inputs first, while most
@@ -82,17 +155,18 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
 
     scale_search: "minmax" takes each group's range as it is; "mse" shrinks it where that rounds the group with
     less diag(H)-weighted squared error (`search_range`), with the group's weights as the solver sees them.
+
+    Rows never interact (each sees the same H), so after the one Cholesky factorisation the column loop runs on
+    row blocks (`row_blocks`), through `map` (`GroupInputs.map`: the layer loop's threads).
     """
     w = np.asarray(w, dtype=np.float64)
     h = np.asarray(h, dtype=np.float64)
     n, k = w.shape
     if h.shape != (k, k):
         raise TopqError(f"gptq: Hessian of shape {list(h.shape)} does not match weight input size {k}")
-    bits = check_bits(bits)
-    gs = resolve_group_size(group_size, k)
-    block_size = max(1, int(block_size))
     if scale_search not in ("minmax", "mse"):
         raise TopqError(f"gptq: scale_search must be minmax or mse, got {scale_search!r}")
+    bits, gs = check_bits(bits), resolve_group_size(group_size, k)
 
     H = h.copy()
     # An input channel that never fired carries no information: quantize its weights as zeros, as the reference.
@@ -100,50 +174,11 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
     H[dead, dead] = 1.0
     perm = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(k)
     H = H[np.ix_(perm, perm)]
-    U = _inverse_cholesky(H, damp).astype(np.float32)
-    # Work on Wᵀ in float32 (as the reference): a column of W is then a contiguous row, so the per-column
-    # error updates touch contiguous memory, at half the bytes of float64.
-    Wt = np.where(dead[:, None], 0.0, w.T)[perm].astype(np.float32)
-
-    codes = np.zeros((k, n), dtype=np.float32)
-    scales = np.zeros((k // gs, n), dtype=np.float64)
-    zeros = np.zeros((k // gs, n), dtype=np.float64)
-    scale = zero = np.zeros(n)
-    importance = np.diag(H)[:, None].astype(np.float32)  # [K, 1] in solving order
-    if static_groups:  # [groups, N], from the weights before any update (dead columns as zeros)
-        groups = np.where(dead[:, None], 0.0, w.T).reshape(k // gs, gs, n)
-        if scale_search == "mse":
-            in_column_order = np.empty_like(importance)
-            in_column_order[perm] = importance
-            scales, zeros = search_range(groups, bits, symmetric, 1, in_column_order.reshape(k // gs, gs, 1))
-        else:
-            scales, zeros = params_from_range(groups.min(axis=1), groups.max(axis=1), bits, symmetric)
-        group_of = perm // gs  # the group of the column solved at each position
-    for i1 in range(0, k, block_size):
-        i2 = min(i1 + block_size, k)
-        W1 = Wt[i1:i2].copy()
-        err1 = np.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if static_groups:
-                scale, zero = scales[group_of[col]], zeros[group_of[col]]
-            elif col % gs == 0:
-                # Group parameters from the weights as updated so far (all earlier error already folded in).
-                group = np.concatenate([W1[i:i + gs], Wt[i2:col + gs]], axis=0)
-                if scale_search == "mse":
-                    scale, zero = search_range(group, bits, symmetric, 0, importance[col:col + gs])
-                else:
-                    scale, zero = params_from_range(group.min(axis=0), group.max(axis=0), bits, symmetric)
-                scales[col // gs], zeros[col // gs] = scale, zero
-            q = quantize_values(W1[i], scale, zero, bits, symmetric)
-            codes[col] = q
-            err = ((W1[i] - (q - zero) * scale) / U1[i, i]).astype(np.float32)
-            W1[i:] -= U1[i, i:, None] * err  # the outer product, without np.outer's overhead
-            err1[i] = err
-        # Lazy batch update: the rest of the matrix sees this block's errors in one GEMM.
-        Wt[i2:] -= U[i1:i2, i2:].T @ err1
-    codes, scales, zeros = codes.T, scales.T, zeros.T
+    columns = _Columns(_inverse_cholesky(H, damp).astype(np.float32), np.diag(H)[:, None].astype(np.float32), perm,
+                       dead, bits, gs, symmetric, max(1, int(block_size)), static_groups,
+                       scale_search == "mse")
+    parts = map(lambda rows: columns.solve(w[rows]), row_blocks(n))
+    codes, scales, zeros = (np.concatenate([p[i] for p in parts], axis=1).T for i in range(3))
 
     if not act_order:
         return make_quantized(codes, scales, zeros, bits, gs, symmetric)
@@ -159,12 +194,14 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
 # --------------------------------------------------------------------------------------- layer adapter
 
 
-def solve(weight: np.ndarray, stats: InputStats, options: Mapping[str, Any]) -> QuantizedWeight:
-    """GPTQ for linears sharing an input (stacked along N: every row sees the same H, so one call solves them)."""
+def solve(weight: np.ndarray, stats: InputStats, options: Mapping[str, Any],
+          map: MapFn = serial_map) -> QuantizedWeight:
+    """GPTQ for linears sharing an input (stacked along N: every row sees the same H, so one call solves them; its
+    row blocks run on `map`)."""
     return gptq(weight, stats.hessian(), bits=options["bits"], group_size=options["group_size"],
                 symmetric=options["symmetric"], act_order=options["act_order"], damp=options["damp"],
                 block_size=options["block_size"], static_groups=options["static_groups"],
-                scale_search=options["scale_search"])
+                scale_search=options["scale_search"], map=map)
 
 
 OPTIONS = (

@@ -61,8 +61,9 @@ def params_from_range(wmin: np.ndarray, wmax: np.ndarray, bits: int,
 def search_range(groups: np.ndarray, bits: int, symmetric: bool, axis: int,
                  importance: np.ndarray | None = None, max_shrink: float = 0.2,
                  steps: int = 20) -> tuple[np.ndarray, np.ndarray]:
-    """Scale and zero point per group (groups run along `axis`) from the range [p·min, p·max], p = 1, 1 − 0.01, …
-    (`steps` values down to 1 − max_shrink), whichever rounds the group with the least Σ importance · (w − ŵ)².
+    """Scale and zero point per group (groups run along `axis`) from the range [p·min, p·max] for p = 1 −
+    max_shrink · i / steps, i < steps (1, 0.99, … 0.81 by default), whichever rounds the group with the least
+    Σ importance · (w − ŵ)².
 
     `importance` broadcasts against `groups` (GPTQ passes diag(H): the output error of each input channel, to the
     diagonal approximation); None weighs all weights alike. Ties keep the wider range, so the result is

@@ -9,7 +9,9 @@ Face checkpoint in `--hf-dir`: llm-compressor needs its config.json); the calibr
 are the ones topq used (int32 .npy files the parent wrote), so both tools see the same tokens.
 W4, group 64, asymmetric, lm_head float (topq's rows keep it bf16). Methods:
 
-* `gptq`: llm-compressor `GPTQModifier`, `actorder: static` (its default), dampening 0.01, block 128;
+* `gptq`: llm-compressor `GPTQModifier`, `actorder: static` (its default), dampening 0.01, block 128, min/max
+  group ranges (its default observer); `gptq-mse`: the same with its `mse` observer (group ranges shrunk where that
+  lowers the rounding error: the peer of topq's `scale_search: mse`);
 * `awq`: llm-compressor `AWQModifier` (scale search and clipping: its defaults; on a machine without a GPU its
   cache's `pin_memory`, a staging step for GPU copies that fails there, is made a no-op);
 * `autoround`: auto-round `AutoRound` with `--iters` steps, all windows as its samples, its defaults otherwise
@@ -66,11 +68,11 @@ def llm_compressor(model: Any, windows: np.ndarray, method: str, source: Path) -
     from datasets import Dataset
     from llmcompressor import oneshot
 
-    if method == "gptq":
+    if method in ("gptq", "gptq-mse"):
         from llmcompressor.modifiers.gptq import GPTQModifier
 
-        recipe: Any = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"],
-                                                              "weights": {**WEIGHTS, "actorder": "static"}}},
+        weights = {**WEIGHTS, "actorder": "static", **({"observer": "mse"} if method == "gptq-mse" else {})}
+        recipe: Any = GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
                                    ignore=["lm_head"], dampening_frac=0.01, block_size=128)
     else:
         from llmcompressor.modifiers.awq import AWQModifier
@@ -112,7 +114,7 @@ def perplexity(model: Any, ids: np.ndarray, window: int) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--method", choices=("gptq", "awq", "autoround"), required=True)
+    p.add_argument("--method", choices=("gptq", "gptq-mse", "awq", "autoround"), required=True)
     p.add_argument("--model", type=Path, required=True, help="the GGUF file topq converted")
     p.add_argument("--hf-dir", type=Path, required=True, help="where the GGUF's Hugging Face form is kept")
     p.add_argument("--windows", type=Path, required=True, help="calibration windows, int32 [samples, seq_len]")

@@ -59,8 +59,9 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
              {"observer": "minmax", "smooth_alpha": 0.5, "budget": 1.03}),
 }
 # row key → (peer tool, its module, peer_quant.py's method); llm-compressor's GPTQ default is `actorder: static`,
-# on a float32 model: the gptq-static-f32 row
+# on a float32 model: the gptq-static-f32 row (and with its mse observer, the -mse row)
 PEERS = {"gptq-static-f32": ("llm-compressor", "llmcompressor", "gptq"),
+         "gptq-static-f32-mse": ("llm-compressor", "llmcompressor", "gptq-mse"),
          "awq": ("llm-compressor", "llmcompressor", "awq"),
          "autoround": ("auto-round", "auto_round", "autoround")}
 PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"

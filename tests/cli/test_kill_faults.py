@@ -88,6 +88,33 @@ def test_a_killed_worker_is_one_error_line(tmp_path: Path) -> None:
     assert not output.exists() and not list(tmp_path.glob(".out.topq.*"))
 
 
+def test_a_worker_forked_with_the_clis_handlers_ends_quietly_on_sigterm() -> None:
+    """The pool can stop a worker before its start-up resets the handlers it inherited from the CLI (the race
+    behind a `Process ForkProcess-2: Traceback … KeyboardInterrupt` on stderr): the inherited handler then exits
+    the worker quietly instead of raising KeyboardInterrupt in it; the parent still gets KeyboardInterrupt."""
+    script = (
+        "import os, signal, sys, time\n"
+        "from topq.core.cli import _interrupt_on_signals\n"
+        "_interrupt_on_signals()\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(30)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.2)\n"
+        "os.kill(child, signal.SIGTERM)\n"
+        "_, status = os.waitpid(child, 0)\n"
+        "print(os.waitstatus_to_exitcode(status))\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('parent interrupted')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split("\n")[:2] == [str(128 + signal.SIGTERM), "parent interrupted"], done
+    assert done.stderr == "", done.stderr
+
+
 def test_stale_temp_file_of_a_killed_write_is_removed(tmp_path: Path) -> None:
     output = tmp_path / "out.topq"
     proc = start_convert(tmp_path, output, "--jobs", "1", "--no-cache")

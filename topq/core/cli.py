@@ -380,24 +380,23 @@ def plugins(as_json: bool) -> None:
 def _echo_options(title: str, owners: dict[str, list[dict[str, Any]]]) -> None:
     click.echo(title)
     for owner, options in owners.items():
-        if options:
-            click.echo(f"    {owner}: " + ", ".join(f"{o['name']} ({o['type']}, default {_yaml_value(o['default'])})"
+        if options:  # defaults as JSON, which is how a recipe spells them: null / true / 64 / "minmax"
+            click.echo(f"    {owner}: " + ", ".join(f"{o['name']} ({o['type']}, default {json.dumps(o['default'])})"
                                             for o in options))
-
-
-def _yaml_value(value: Any) -> str:
-    return json.dumps(value)  # null / true / 64 / "minmax": how a recipe would spell it
 
 
 def _interrupt_on_signals() -> None:
     """SIGTERM unwinds like Ctrl-C, so temp files are removed and no half-written output is left; both also set
     `INTERRUPTED`, which every file commit checks (an interrupt Python drops inside a `__del__` still stops it)."""
+    import os
     import signal
     import threading
 
     from topq.io.files import INTERRUPTED
 
-    def handler(signum: int, frame: object) -> None:
+    def handler(signum: int, frame: object, owner: int = os.getpid()) -> None:
+        if os.getpid() != owner:  # a pool worker forked before its start-up reset this handler: end quietly
+            os._exit(128 + signum)
         INTERRUPTED.set()
         raise KeyboardInterrupt
 

@@ -174,7 +174,9 @@ def exact_reference(bundle: Bundle, recipe: Any) -> Session:
 
     def weight(name: str) -> np.ndarray:
         q = quantizer.values(name)
-        return q.dequantize() if q is not None else round_to_dtype(model.weight(name), dtype)
+        # in the bundle's memory order (row-major): on some BLAS kernels (OpenBLAS SkylakeX) a product with the
+        # transposed layout rounds differently
+        return np.ascontiguousarray(q.dequantize()) if q is not None else round_to_dtype(model.weight(name), dtype)
 
     reference = Interpreter(model.module, weight)
     # the host's batched logits (one lm_head call per segment), so both sides sum the lm_head product alike

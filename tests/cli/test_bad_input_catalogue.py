@@ -233,6 +233,7 @@ _RECIPE_VALUES = [  # (recipe text after the model/target/stages/output lines, f
     ("quant: {percentile: 100.5}\n", "quant.percentile: must be at most 100"),
     ("quant: {observer: max}\n", "did you mean 'minmax'?"),
     ("quant: {scale_search: mes}\n", "quant.scale_search: expected one of minmax, mse; got 'mes'"),
+    ("quant: {calibration_matmul: bf8}\n", "quant.calibration_matmul: expected one of f32, bf16; got 'bf8'"),
     ("quant: {scheme: w4bf17}\n", "unknown quant scheme 'w4bf17' (did you mean 'w4bf16'?)"),
     ("quant: {calibration: {samples: 0}}\n", "quant.calibration.samples: must be at least 1"),
     ("quant: {calibration: 5}\n", "quant.calibration: expected a mapping"),

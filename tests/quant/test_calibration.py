@@ -15,6 +15,7 @@ from topq.core.errors import TopqError
 from topq.core.recipe import recipe_from_defaults
 from topq.io.tokenizer import tokenizer_files_of
 from topq.ir.interpreter import Interpreter
+from topq.ir.products import products
 from topq.plugins.quant.awq import _fold
 from topq.quant.calibration import (
     InputStats,
@@ -226,6 +227,32 @@ def test_groups_capture_the_right_inputs_and_see_quantized_layers(loaded_tiny: A
     seen_down = seen[(0, ("down_proj",))]
     assert seen_down.k == model.spec.intermediate_size
     np.testing.assert_allclose(seen_down.hessian(), act.T @ act / len(act), rtol=1e-3, atol=1e-6)
+
+
+def test_bf16_products_calibrate_on_the_bf16_forward(loaded_tiny: Any) -> None:
+    """`calibration_matmul: bf16`: a group's Hessian is the Gram of its input as the bf16-product forward computes
+    it (through the quantized layers before it), with the Gram's own bf16 rounding; not the float32 one."""
+    import ml_dtypes
+
+    model = loaded_tiny("llama", SEQ)
+    ids = windows()
+    seen_f32: dict[tuple[int, tuple[str, ...]], InputStats] = {}
+    seen: dict[tuple[int, tuple[str, ...]], InputStats] = {}
+    run_calibration(model, ids, rtn_solver(seen_f32), {"group_size": 32}, progress=False)
+    result = run_calibration(model, ids, rtn_solver(seen), {"group_size": 32, "calibration_matmul": "bf16"},
+                             progress=False)
+    quantized = {n: qw.dequantize() for n, qw in result.items() if ".layers.0." in n}
+    norm1 = model.weight("model.layers.1.input_layernorm.weight")
+    with products("bf16"):
+        h = hidden_states(model, ids, quantized, 1)
+    x = rms_norm(h, norm1, model.spec.rms_norm_eps).astype(ml_dtypes.bfloat16).astype(np.float64)  # [3, SEQ, H]
+    grams = np.einsum("sti,stj->sij", x, x)
+    reference, scale = grams.sum(axis=0) / x[..., 0].size, np.abs(grams).sum(axis=0) / x[..., 0].size
+    h1 = seen[(1, ("q_proj", "k_proj", "v_proj"))].hessian()
+    assert np.all(np.abs(h1 - reference) <= 2.0 ** -7 * scale + 1e-6)  # each sample's Gram rounded to bf16
+    h1_f32 = seen_f32[(1, ("q_proj", "k_proj", "v_proj"))].hessian()
+    assert not np.allclose(h1, h1_f32, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(h1, h1_f32, rtol=0.05, atol=0.05 * float(np.abs(h1_f32).max()))
 
 
 def test_fold_targets(loaded_tiny: Any) -> None:

@@ -24,6 +24,8 @@ QUANT: dict[str, dict[str, Any]] = {
     "gptq": {"group_size": 32},
     "awq": {"group_size": 32},  # its scale and clip candidates run on the threads of --jobs 2 (GroupInputs.map)
     "int8": {"observer": "kl", "smooth_alpha": 0.5},
+    # torch's bf16 products in every task (topq.ir.products): thread-count independent, so the same bytes too
+    "gptq-bf16": {"group_size": 32, "calibration_matmul": "bf16"},
 }
 
 
@@ -103,7 +105,7 @@ def ray_instance() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.mark.parametrize("scheme", ["gptq", "awq", "int8"])
+@pytest.mark.parametrize("scheme", ["gptq", "awq", "int8", "gptq-bf16"])
 def test_calibrated_bundles_are_identical_for_every_executor(tiny: Path, tmp_path: Path, scheme: str,
                                                              ray_instance: None,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,7 +119,7 @@ def test_calibrated_bundles_are_identical_for_every_executor(tiny: Path, tmp_pat
     from topq.quant import calibration
 
     out = tmp_path / "model.topq"
-    recipe = _recipe(tiny, scheme, out, **QUANT[scheme])
+    recipe = _recipe(tiny, scheme.removesuffix("-bf16"), out, **QUANT[scheme])
     summaries, contents = [], []
     for kwargs in ({"jobs": 1}, {"jobs": 2}):
         summaries.append(convert(recipe, progress=False, **kwargs))

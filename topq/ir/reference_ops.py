@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from topq.ir.errors import TopqError
+from topq.ir.products import linear as _linear
 from topq.ir.reference_linear_attention import LINEAR_ATTENTION_OPS
 
 Kernel = Callable[[list[np.ndarray], dict[str, Any]], list[np.ndarray]]
@@ -72,15 +73,6 @@ def _attr(op: str, attrs: dict[str, Any], name: str) -> Any:
     if name not in attrs:
         raise TopqError(f"{op}: missing attribute {name!r}")
     return attrs[name]
-
-
-def _linear(x: np.ndarray, w: np.ndarray, transpose: bool) -> np.ndarray:
-    """x[..., K] @ w (w: [K, N], or [N, K] if transpose) as one 2-D GEMM."""
-    wt = w.T if transpose else w  # a transposed view: BLAS takes it without a copy
-    lead = x.shape[:-1]
-    # Flattening the leading axes turns numpy's per-batch loop into a single sgemm.
-    y = np.matmul(x.reshape(-1, x.shape[-1]), wt)
-    return y.reshape(*lead, wt.shape[-1])
 
 
 # --------------------------------------------------------------- scalar functions
@@ -202,8 +194,8 @@ def mlp_hidden(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray,
     """What observers of a `top.MLP` see inside it, on x flattened to [tokens, H]: the gate and up projections
     and the down projection's input act(x W_gᵀ) · (x W_uᵀ) [tokens, I] (the one place taps compute it)."""
     x2 = x.reshape(-1, x.shape[-1])
-    gate = x2 @ w_gate.T
-    up = x2 @ w_up.T
+    gate = _linear(x2, w_gate, True)
+    up = _linear(x2, w_up, True)
     return gate, up, mlp_activation(act, gate) * up
 
 

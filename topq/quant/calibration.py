@@ -50,6 +50,7 @@ from topq.core.stages import rope_weights
 from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.graph import Function, Operation, Value
 from topq.ir.interpreter import Interpreter, Step
+from topq.ir.products import check_kind, matmul, products, torch_threads
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden, moe_expert_tokens, moe_routing
 from topq.ir.threads import blas_threads, fixed_threads
 from topq.ir.types import round_to_dtype
@@ -60,7 +61,14 @@ from topq.quant.grid import (
     quantize_groups,
     resolve_group_size,
 )
-from topq.quant.options import ACT_DTYPE, EXPERT_MIN_TOKENS, EXPERT_MIN_TOKENS_OPTION, WEIGHT_OPTIONS, act_dtype
+from topq.quant.options import (
+    ACT_DTYPE,
+    CALIBRATION_MATMUL,
+    EXPERT_MIN_TOKENS,
+    EXPERT_MIN_TOKENS_OPTION,
+    WEIGHT_OPTIONS,
+    act_dtype,
+)
 from topq.quant.program import ProgramSource, calibration_program, program_source
 from topq.quant.reuse import Cache, LayerValues, inner_key
 from topq.quant.sites import INPUT, FoldTarget, group_sites
@@ -236,10 +244,10 @@ class InputStats:
     @staticmethod
     def summarize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """One sample's share: its float32 Gram xᵀx (the costly part; the layer loop's tasks compute it in
-        parallel), Σ|x| and its token count."""
+        parallel, with the step's products: `topq.ir.products`), Σ|x| and its token count."""
         x2 = np.asarray(x, dtype=np.float32)
         x2 = x2.reshape(-1, x2.shape[-1])
-        return x2.T @ x2, np.abs(x2).sum(axis=0, dtype=np.float64), x2.shape[0]
+        return matmul(x2.T, x2), np.abs(x2).sum(axis=0, dtype=np.float64), x2.shape[0]
 
     def add_summary(self, summary: tuple[np.ndarray, np.ndarray, int]) -> None:
         gram, abs_sum, count = summary
@@ -656,6 +664,7 @@ class _LayerStep:
     folds: frozenset[str] = frozenset()  # tensors those groups' solvers may fold a scale into
     hidden: np.ndarray | None = None  # every sample's layer input [samples, L, H] (executors that share memory)
     caches: list[Cache] | None = None  # every sample's values kept from the layer's previous steps (likewise)
+    matmul: str = "f32"  # the products the tasks compute with (`quant.calibration_matmul`, `topq.ir.products`)
 
 
 class _Steps(threading.local):
@@ -726,7 +735,8 @@ def _layer_task(step_handle: Any, start: int, stop: int, rows: np.ndarray | None
     reuse (`topq.quant.reuse`). `rows` / `caches` are those samples' layer inputs and values kept by the layer's
     previous runs, unless the step carries them all (`hidden`, `caches`)."""
     step: _LayerStep = resolve(step_handle)
-    with blas_threads(fixed_threads() or 1):  # parallel are the tasks (`jobs`); a BLAS pool would only compete
+    threads = fixed_threads() or 1  # parallel are the tasks (`jobs`); a BLAS pool would only compete
+    with blas_threads(threads), torch_threads(step.matmul, threads), products(step.matmul):
         return _run_layer_task(step, start, stop, rows, caches)
 
 
@@ -812,8 +822,9 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     `summarize`, each input's summary: `InputStats`' Gram products then run in the tasks) and the outputs, and this
     process adds them to the statistics in sample order, so every float sum happens in the same order whatever ran
     the tasks (identical results for any executor and job count). The solvers run here, between steps; each step's tasks
-    get the layer's weights as they are at that point (`TaskExecutor.share`). `observe(k)` makes each group's
-    statistics (`GroupInputs.stats`; default `InputStats`)."""
+    get the layer's weights as they are at that point (`TaskExecutor.share`) and compute their linears and Grams
+    with `options["calibration_matmul"]`'s products (`topq.ir.products`; default float32 numpy). `observe(k)`
+    makes each group's statistics (`GroupInputs.stats`; default `InputStats`)."""
     executor = executor if executor is not None else InlineExecutor()
     windows = np.asarray(windows, dtype=np.int32)
     samples, seq_len = windows.shape
@@ -832,7 +843,8 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     chunk = _chunk_size(tasks, samples)
     solver_map = tasks.map_list if isinstance(tasks, _ThreadTasks) else serial_map
     bar = progress_bar(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
-    with blas_threads(fixed_threads() or 1):
+    kind, threads = str(options.get("calibration_matmul") or "f32"), fixed_threads() or 1
+    with blas_threads(threads), torch_threads(kind, threads), products(kind):
         try:
             for layer, layer_plans in enumerate(plans):
                 reads = _weights_read(module[f"block_{layer}"])
@@ -847,7 +859,8 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                     return _LayerStep(uuid.uuid4().hex, source, layer, groups, summarizers,
                                       {n: state.current_weight(n) for n in reads}, changed,
                                       frozenset(n for p in rest for n in p.names),
-                                      frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n))
+                                      frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n),
+                                      matmul=kind)
 
                 for batch in _batches(layer_plans):
                     bar.set_postfix_str(f"layer {layer} {'/'.join(layer_plans[batch[0]].keys)}")
@@ -965,13 +978,15 @@ def quantization_report(model: LoadedModel, recipe: Recipe, scheme: QuantScheme,
 
 
 def weight_options(quant: Mapping[str, Any], scheme: str) -> dict[str, Any]:
-    """The options every calibrated weight-only scheme reads (bits, group_size, symmetric, act_dtype), checked
-    and defaulted; a scheme adds its own (`calibration_scheme`'s `read_options`)."""
+    """The options every calibrated weight-only scheme reads (bits, group_size, symmetric, act_dtype,
+    calibration_matmul), checked and defaulted; a scheme adds its own (`calibration_scheme`'s `read_options`)."""
     bits = 4 if quant.get("bits") is None else int(quant["bits"])
     if bits not in (4, 8):
         raise TopqError(f"quant.bits must be 4 or 8 for scheme {scheme}, got {bits}")
     return {"bits": bits, "group_size": int(quant["group_size"]), "symmetric": bool(quant["symmetric"]),
             "act_dtype": act_dtype(quant),
+            "calibration_matmul": check_kind(str(quant.get("calibration_matmul") or "f32"),
+                                             "quant.calibration_matmul"),
             "expert_min_tokens": int(quant.get("expert_min_tokens") or EXPERT_MIN_TOKENS)}
 
 
@@ -1016,6 +1031,7 @@ def calibration_scheme(name: str, description: str, *, solve: WeightSolver | Non
                                bool(options.get("symmetric", False)))
 
     return QuantScheme(name, description, compute_dtype="bf16", weight_bits=4,
-                       options=(*WEIGHT_OPTIONS, ACT_DTYPE, EXPERT_MIN_TOKENS_OPTION, *own_options),
+                       options=(*WEIGHT_OPTIONS, ACT_DTYPE, CALIBRATION_MATMUL, EXPERT_MIN_TOKENS_OPTION,
+                                *own_options),
                        needs_calibration=True, quantize=quantize, calibrate=calibrate, product=product,
                        observe=observe, solve=solve)

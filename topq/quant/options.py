@@ -12,9 +12,10 @@ from typing import Any
 from topq.core.errors import TopqError
 from topq.core.quant import Option
 from topq.core.recipe import Field
+from topq.ir.products import KINDS
 
-__all__ = ["ACT_DTYPE", "BITS", "EXPERT_MIN_TOKENS", "EXPERT_MIN_TOKENS_OPTION", "GROUP_SIZE", "SYMMETRIC",
-           "WEIGHT_OPTIONS", "act_dtype"]
+__all__ = ["ACT_DTYPE", "BITS", "CALIBRATION_MATMUL", "EXPERT_MIN_TOKENS", "EXPERT_MIN_TOKENS_OPTION", "GROUP_SIZE",
+           "SYMMETRIC", "WEIGHT_OPTIONS", "act_dtype"]
 
 BITS = Option("bits", Field("int", None, nullable=True, ge=1, le=16, help="weight bits; null = the scheme's default"))
 GROUP_SIZE = Option("group_size", Field("int", 64, ge=-1,
@@ -22,6 +23,10 @@ GROUP_SIZE = Option("group_size", Field("int", 64, ge=-1,
 SYMMETRIC = Option("symmetric", Field("bool", False, help="symmetric (no zero point) weight quantization"))
 ACT_DTYPE = Option("act_dtype", Field("str", None, nullable=True,
                                       help="activation dtype for weight-only algorithms"))
+CALIBRATION_MATMUL = Option("calibration_matmul", Field(
+    "str", "f32", choices=KINDS,
+    help="calibrated schemes: the products of the calibration forwards' linears and Hessian sums; f32 = numpy "
+         "float32 (the reference), bf16 = torch bfloat16 (fast on CPUs with bf16 units, other results)"))
 EXPERT_MIN_TOKENS = 16
 EXPERT_MIN_TOKENS_OPTION = Option("expert_min_tokens", Field(
     "int", EXPERT_MIN_TOKENS, ge=1,

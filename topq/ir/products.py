@@ -1,0 +1,111 @@
+"""Who computes the linears' matrix products of the reference kernels: numpy float32 (the reference, always) or,
+inside `products("bf16")`, torch in bfloat16.
+
+The bf16 products exist for calibration (`quant.calibration_matmul: bf16`): on a CPU with bf16 matrix units
+(AMX, AVX512-BF16) torch multiplies bf16 matrices 3–6× faster than numpy's float32 BLAS
+(`benchmarks/calibration_kernels.py`), and the calibration layer loop is mostly such products. Operands are
+rounded to bf16 (nearest even), accumulated in float32 inside oneDNN, and the result is rounded to bf16 and
+widened back to float32 — what a bf16 target computes for a linear, not what the float32 reference computes.
+
+Which products: a `top.MatMul` by a 2-D matrix (the linears), `top.MLP`'s three projections, `top.MoE`'s router
+and experts — all through `linear` — and the calibration Hessians' Gram sums (`topq.quant.calibration.InputStats`)
+through `matmul`. Attention's score and value products, batched `top.MatMul`s, norms and activations stay float32
+numpy, as does everything outside a `products` block.
+
+The choice is a context variable, so it holds for the thread (or task) that set it and nothing else: a worker
+thread or process sets it itself (the calibration tasks do, from their step). Determinism: oneDNN's bf16 product
+gives the same bits for any torch thread count on the same operands (tests/ir/test_products.py checks the
+calibration shapes), so results do not depend on the executor or the job count; they may depend on the CPU's
+instruction set, as float32 BLAS results do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import numpy as np
+
+from topq.ir.errors import TopqError
+
+__all__ = ["KINDS", "check_kind", "linear", "matmul", "products", "torch_threads"]
+
+Product = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+#: the kinds `products` takes: "f32" is numpy float32 (the reference), "bf16" torch bfloat16
+KINDS = ("f32", "bf16")
+
+_PRODUCT: ContextVar[Product] = ContextVar("topq_product", default=np.matmul)
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:  # torch is optional: only this kind needs it
+        raise TopqError("bf16 calibration products need torch (pip install torch)") from None
+    return torch
+
+
+def _bf16_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    torch = _torch()
+    bf16 = torch.bfloat16
+    # torch.asarray shares the arrays (read-only ones too, which torch.from_numpy warns about)
+    y = torch.matmul(torch.asarray(a).to(bf16), torch.asarray(b).to(bf16))
+    return y.to(torch.float32).numpy()
+
+
+_KIND_PRODUCTS: dict[str, Product] = {"f32": np.matmul, "bf16": _bf16_matmul}
+
+
+def check_kind(kind: str, what: str = "products") -> str:
+    """`kind` if it is one of KINDS and can run here (bf16 needs torch); else a TopqError naming `what`."""
+    if kind not in _KIND_PRODUCTS:
+        raise TopqError(f"{what}: expected one of {', '.join(KINDS)}; got {kind!r}")
+    if kind == "bf16":
+        _torch()
+    return kind
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b with the products of the current `products` block (float32 numpy outside any)."""
+    return _PRODUCT.get()(a, b)
+
+
+def linear(x: np.ndarray, w: np.ndarray, transpose: bool) -> np.ndarray:
+    """x[..., K] @ w (w: [K, N], or [N, K] if transpose) as one 2-D product."""
+    wt = w.T if transpose else w  # a transposed view: BLAS takes it without a copy
+    lead = x.shape[:-1]
+    # Flattening the leading axes turns numpy's per-batch loop into a single sgemm.
+    y = matmul(x.reshape(-1, x.shape[-1]), wt)
+    return y.reshape(*lead, wt.shape[-1])
+
+
+@contextmanager
+def products(kind: str) -> Iterator[None]:
+    """Run the block's linear products (see the module doc) as `kind`: "f32" (numpy) or "bf16" (torch)."""
+    token = _PRODUCT.set(_KIND_PRODUCTS[check_kind(kind)])
+    try:
+        yield
+    finally:
+        _PRODUCT.reset(token)
+
+
+@contextmanager
+def torch_threads(kind: str, count: int) -> Iterator[None]:
+    """For bf16 products, torch's intra-op threads set to `count` for the block (the calibration tasks are the
+    parallel part, as for BLAS: `topq.ir.threads`), then restored; nothing for float32 products. The setting is
+    the process's, so the block belongs in the thread that owns the tasks."""
+    if kind != "bf16":
+        yield
+        return
+    torch = _torch()
+    before = torch.get_num_threads()
+    if before != count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)

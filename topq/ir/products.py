@@ -2,7 +2,7 @@
 inside `products("bf16")`, torch in bfloat16.
 
 The bf16 products exist for calibration (`quant.calibration_matmul: bf16`): on a CPU with bf16 matrix units
-(AMX, AVX512-BF16) torch multiplies bf16 matrices 3–6× faster than numpy's float32 BLAS
+(AMX, AVX512-BF16) torch multiplies bf16 matrices 3–5× faster than numpy's float32 BLAS
 (`benchmarks/calibration_kernels.py`), and the calibration layer loop is mostly such products. Operands are
 rounded to bf16 (nearest even), accumulated in float32 inside oneDNN, and the result is rounded to bf16 and
 widened back to float32 — what a bf16 target computes for a linear, not what the float32 reference computes.

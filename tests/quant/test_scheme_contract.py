@@ -148,7 +148,8 @@ def test_builtin_schema_keeps_todays_quant_keys_and_defaults() -> None:
     quant = recipe_from_defaults(model={"path": "/m"}).to_dict()["quant"]
     assert quant == {
         "scheme": "f32", "bits": None, "group_size": 64, "symmetric": False, "lm_head": "bf16", "act_dtype": None,
-        "calibration_matmul": "f32", "act_order": False, "damp": 0.01, "block_size": 128, "static_groups": False, "scale_search": "minmax",
+        "calibration_matmul": "f32", "act_order": False, "damp": 0.01, "block_size": 128, "static_groups": False,
+        "scale_search": "minmax",
         "clip": True, "iters": 200, "lr": None,
         "observer": "minmax", "percentile": 99.99, "smooth_alpha": None, "dynamic_tokens": False, "budget": None,
         "table": None, "expert_min_tokens": 16,
@@ -160,10 +161,9 @@ def test_plugins_json_lists_each_schemes_options(with_rounder: None, capsys: pyt
     options = json.loads(capsys.readouterr().out)["scheme_options"]
     assert {"name": "rounding", "type": "str", "default": "nearest", "doc": ROUNDING.spec.help,
             "choices": ["nearest", "floor"], "nullable": False} in options["test-rounder"]
-    assert {o["name"] for o in options["gptq"]} == {"bits", "group_size", "symmetric", "act_dtype", "calibration_matmul",
-                                                    "act_order",
-                                                    "damp", "block_size", "static_groups", "scale_search",
-                                                    "expert_min_tokens"}
+    assert {o["name"] for o in options["gptq"]} == {"bits", "group_size", "symmetric", "act_dtype",
+                                                    "calibration_matmul", "act_order", "damp", "block_size",
+                                                    "static_groups", "scale_search", "expert_min_tokens"}
     assert options["f32"] == []
     assert main(["plugins"]) == 0
     assert 'test-rounder: group_size (int, default 64), rounding (str, default "nearest")' in capsys.readouterr().out

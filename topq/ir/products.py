@@ -96,7 +96,8 @@ def products(kind: str) -> Iterator[None]:
 def torch_threads(kind: str, count: int) -> Iterator[None]:
     """For bf16 products, torch's intra-op threads set to `count` for the block (the calibration tasks are the
     parallel part, as for BLAS: `topq.ir.threads`), then restored; nothing for float32 products. The setting is
-    the process's, so the block belongs in the thread that owns the tasks."""
+    the process's: the thread that owns the task threads sets it, and a task's own call is then a no-op (in a
+    worker process it sets the worker's)."""
     if kind != "bf16":
         yield
         return

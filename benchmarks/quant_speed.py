@@ -65,11 +65,13 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
              {"observer": "minmax", "smooth_alpha": 0.5, "budget": 1.03}),
 }
 # row key → (peer tool, its module, peer_quant.py's method); llm-compressor's GPTQ default is `actorder: static`,
-# on a float32 model: the gptq-static-f32 row (and with its mse observer, the -mse row)
+# on a float32 model: the gptq-static-f32 row (and with its mse observer, the -mse row). A -bf16 row has its
+# float32 row's peer; a run quantizes with each peer method once, under the first row that names it.
 PEERS = {"gptq-static-f32": ("llm-compressor", "llmcompressor", "gptq"),
          "gptq-static-f32-mse": ("llm-compressor", "llmcompressor", "gptq-mse"),
          "awq": ("llm-compressor", "llmcompressor", "awq"),
          "autoround": ("auto-round", "auto_round", "autoround")}
+PEERS |= {f"{key}-bf16": peer for key, peer in PEERS.items() if f"{key}-bf16" in ROWS}
 PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 
@@ -184,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                    "reference run: same machine, same process, rows interleaved)")
     p.add_argument("--peer-python", type=Path, default=PEER_PYTHON,
                    help="the Python where llm-compressor / auto-round are installed (benchmarks/setup_peers.sh)")
+    p.add_argument("--skip-peers", default="", help="comma-separated peer methods not to run (of "
+                   + ", ".join(sorted({m for _, _, m in PEERS.values()})) + "; llm-compressor's awq takes hours "
+                   "on a CPU)")
     p.add_argument("--peer-iters", type=int, default=50, help="auto-round's steps (the issue's peer row: 50)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--one", choices=sorted(ROWS), help=argparse.SUPPRESS)  # child mode
@@ -208,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     ids: list[int] | None = None
     peer_files: tuple[Path, Path] | None = None  # calibration windows and eval ids for the peers (.npy)
+    peers_run = {m for m in args.skip_peers.split(",") if m}  # a method in it is not run (again)
     runs = [("topq", ROOT)] + ([("topq baseline", args.baseline.resolve())] if args.baseline else [])
     for key in keys:
         method = ROWS[key][0] + (f" ({args.iters} steps)" if ROWS[key][1] == "autoround" else "")
@@ -219,8 +225,12 @@ def main(argv: list[str] | None = None) -> int:
             ppl, _ = perplexity(bundle, ids, window=args.window)
             rows.append({"method": method, "tool": tool, "perplexity": round(ppl, 3), **measured})
             log_row(rows[-1])
-        if key in PEERS:
+        if key in PEERS and PEERS[key][2] not in peers_run:
             tool, module, peer_method = PEERS[key]
+            peers_run.add(peer_method)
+            # the peer's own setting: float32 products, and auto-round's --peer-iters
+            method = ROWS[key][0].removesuffix(", bf16 products") + (
+                f" ({args.peer_iters} iters)" if ROWS[key][1] == "autoround" else "")
             if not peer_importable(args.peer_python, module):
                 rows.append({"method": method, "tool": tool, "perplexity": None, "seconds": None,
                              "peak_rss_mib": None, "note": "not installed"})

@@ -16,8 +16,12 @@ from topq.core.recipe import recipe_from_defaults
 from topq.io.tokenizer import tokenizer_files_of
 from topq.ir.interpreter import Interpreter
 from topq.ir.products import products
+from topq.plugins.quant.autoround import SCHEME as autoround_scheme
+from topq.plugins.quant.awq import SCHEME as awq_scheme
 from topq.plugins.quant.awq import _fold
+from topq.plugins.quant.gptq import SCHEME as gptq_scheme
 from topq.quant.calibration import (
+    HessianStats,
     InputStats,
     LayerState,
     calibration_windows,
@@ -178,6 +182,23 @@ def rtn_solver(seen: dict[tuple[int, tuple[str, ...]], InputStats]) -> Any:
         state.set_quantized_rows(group.names, rtn(stacked, 4, 32, False))
 
     return solve
+
+
+def test_hessian_stats_are_input_stats_without_the_magnitudes() -> None:
+    """GPTQ's and AutoRound's observer: the same H bits as InputStats', and no Σ|x| (AWQ's), refused if asked."""
+    rng = np.random.default_rng(5)
+    full, lean = InputStats(48), HessianStats(48)
+    for _ in range(3):
+        x = rng.standard_normal((2, 40, 48), dtype=np.float32)
+        full.add(x)
+        lean.add_summary(HessianStats.summarize(x))
+    np.testing.assert_array_equal(lean.hessian(), full.hessian())
+    assert lean.count == full.count == 240
+    assert HessianStats.summarize(x)[1] is None
+    with pytest.raises(TopqError, match=r"^HessianStats does not collect mean \|x\|: observe with InputStats$"):
+        lean.abs_mean()
+    assert gptq_scheme.observe is HessianStats and autoround_scheme.observe is HessianStats
+    assert awq_scheme.observe is InputStats  # AWQ's scales read mean |x|
 
 
 def test_groups_capture_the_right_inputs_and_see_quantized_layers(loaded_tiny: Any) -> None:

@@ -92,7 +92,10 @@ def silu(x: np.ndarray) -> np.ndarray:
     """x * sigmoid(x) in float32."""
     x = _f32(x)
     with np.errstate(over="ignore"):  # exp(-x) -> inf for x << 0 gives the right limit -0
-        return x / (np.float32(1) + np.exp(-x))
+        t = np.negative(x)  # x / (1 + exp(-x)) in one buffer: the same operations, no temporaries
+        np.exp(t, out=t)
+        t += np.float32(1)
+        return np.divide(x, t, out=t)
 
 
 # erf/erfc without scipy: a power series for |z| < _ERF_SPLIT and a continued fraction

@@ -78,9 +78,9 @@ if TYPE_CHECKING:
     from topq.core.recipe import Recipe
 
 __all__ = [
-    "CalibrationResult", "FoldTarget", "GroupInputs", "InputStats", "LayerState", "calibration_scheme",
-    "calibration_windows", "load_calibration", "quantization_report", "read_token_stream", "run_calibration",
-    "sample_windows", "save_calibration", "stacked_solver", "weight_options",
+    "CalibrationResult", "FoldTarget", "GroupInputs", "HessianStats", "InputStats", "LayerState",
+    "calibration_scheme", "calibration_windows", "load_calibration", "quantization_report", "read_token_stream",
+    "run_calibration", "sample_windows", "save_calibration", "stacked_solver", "weight_options",
 ]
 
 # ================================================================================ calibration data
@@ -235,25 +235,25 @@ class InputStats:
     def __init__(self, k: int) -> None:
         self.k = k
         self.gram = np.zeros((k, k), dtype=np.float64)
-        self.abs_sum = np.zeros(k, dtype=np.float64)
+        self.abs_sum: np.ndarray | None = np.zeros(k, dtype=np.float64)
         self.count = 0
 
     def add(self, x: np.ndarray) -> None:
         self.add_summary(self.summarize(x))
 
     @staticmethod
-    def summarize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    def summarize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int]:
         """One sample's share: its float32 Gram xᵀx (the costly part; the layer loop's tasks compute it in
         parallel, with the step's products: `topq.ir.products`), Σ|x| and its token count."""
-        x2 = np.asarray(x, dtype=np.float32)
-        x2 = x2.reshape(-1, x2.shape[-1])
+        x2 = _rows(x)
         return matmul(x2.T, x2), np.abs(x2).sum(axis=0, dtype=np.float64), x2.shape[0]
 
-    def add_summary(self, summary: tuple[np.ndarray, np.ndarray, int]) -> None:
+    def add_summary(self, summary: tuple[np.ndarray, np.ndarray | None, int]) -> None:
         gram, abs_sum, count = summary
         # float32 GEMM per sample (fast), accumulated across samples in float64 (no drift over many samples)
         self.gram += gram
-        self.abs_sum += abs_sum
+        if self.abs_sum is not None:  # HessianStats keeps none
+            self.abs_sum += abs_sum
         self.count += count
 
     def hessian(self) -> np.ndarray:
@@ -264,7 +264,29 @@ class InputStats:
 
     def abs_mean(self) -> np.ndarray:
         """Mean |x| per input channel (AWQ's activation salience)."""
+        if self.abs_sum is None:
+            raise TopqError(f"{type(self).__name__} does not collect mean |x|: observe with InputStats")
         return self.abs_sum / max(self.count, 1)
+
+
+class HessianStats(InputStats):
+    """InputStats without Σ|x|, for the schemes that read only H (GPTQ, AutoRound): a pass over every captured
+    input less per sample. H is the same bits as InputStats'."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.abs_sum = None
+
+    @staticmethod
+    def summarize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int]:
+        x2 = _rows(x)
+        return matmul(x2.T, x2), None, x2.shape[0]
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """x as float32 [tokens, K]."""
+    x2 = np.asarray(x, dtype=np.float32)
+    return x2.reshape(-1, x2.shape[-1])
 
 
 # ================================================================================ layer state

@@ -28,7 +28,7 @@ from topq.core.hookspecs import Register
 from topq.core.progress import progress_bar
 from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
-from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
+from topq.quant.calibration import GroupInputs, HessianStats, LayerState, calibration_scheme
 from topq.quant.grid import (
     TINY_SCALE,
     check_bits,
@@ -189,7 +189,7 @@ def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
 
 SCHEME = calibration_scheme(
     "autoround", "AutoRound: SignSGD-tuned rounding offsets and range factors (weight-only, calibrated)",
-    group_solver=solve_group, own_options=OPTIONS, read_options=read_options)
+    group_solver=solve_group, own_options=OPTIONS, read_options=read_options, observe=HessianStats)
 
 
 @topq.hookimpl

@@ -18,7 +18,7 @@ from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
-from topq.quant.calibration import InputStats, MapFn, calibration_scheme, serial_map
+from topq.quant.calibration import HessianStats, InputStats, MapFn, calibration_scheme, serial_map
 from topq.quant.grid import (
     check_bits,
     make_quantized,
@@ -224,7 +224,7 @@ def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
 
 SCHEME = calibration_scheme(
     "gptq", "GPTQ: Hessian-aware column-wise rounding (W4/W8 weight-only, calibrated)",
-    solve=solve, own_options=OPTIONS, read_options=read_options)
+    solve=solve, own_options=OPTIONS, read_options=read_options, observe=HessianStats)
 
 
 @topq.hookimpl

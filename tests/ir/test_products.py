@@ -16,8 +16,10 @@ from topq.ir import products
 from topq.ir.errors import TopqError
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_hidden
 
-# SmolLM2-135M's calibration shapes (a 512-token window): linears, MLP projections, Hessian Grams
-SHAPES = [(512, 576, 576), (512, 576, 1536), (512, 1536, 576), (576, 512, 576), (1536, 512, 1536)]
+# SmolLM2-135M's calibration shapes (a 512-token window): linears, MLP projections, Hessian Grams, and AutoRound's
+# D·H on a chunk of rows
+SHAPES = [(512, 576, 576), (512, 576, 1536), (512, 1536, 576), (576, 512, 576), (1536, 512, 1536),
+          (256, 576, 576), (256, 1536, 1536)]
 
 
 def _pair(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

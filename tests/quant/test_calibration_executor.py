@@ -26,6 +26,8 @@ QUANT: dict[str, dict[str, Any]] = {
     "int8": {"observer": "kl", "smooth_alpha": 0.5},
     # torch's bf16 products in every task (topq.ir.products): thread-count independent, so the same bytes too
     "gptq-bf16": {"group_size": 32, "calibration_matmul": "bf16"},
+    # and in AutoRound's solver steps, on the threads of --jobs 2 (GroupInputs.map) or in this process
+    "autoround-bf16": {"group_size": 32, "calibration_matmul": "bf16", "iters": 10},
 }
 
 
@@ -105,7 +107,7 @@ def ray_instance() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.mark.parametrize("scheme", ["gptq", "awq", "int8", "gptq-bf16"])
+@pytest.mark.parametrize("scheme", ["gptq", "awq", "int8", "gptq-bf16", "autoround-bf16"])
 def test_calibrated_bundles_are_identical_for_every_executor(tiny: Path, tmp_path: Path, scheme: str,
                                                              ray_instance: None,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:

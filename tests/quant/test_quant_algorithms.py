@@ -17,6 +17,7 @@ from host_bundles import TinyCheckpoint
 
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
+from topq.ir.products import products
 from topq.plugins.quant import gptq as gptq_module
 from topq.plugins.quant.autoround import ROW_CHUNK, _backward, _forward, autoround
 from topq.plugins.quant.autoround import solve_group as autoround_group
@@ -361,9 +362,11 @@ def test_autoround_fixed_range_rows_tune_only_their_rounding(problem: Any) -> No
     assert not np.array_equal(tuned.scales[~fixed], plain.scales[~fixed])
 
 
-def test_autoround_row_chunks_on_threads_give_the_one_call_result() -> None:
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+def test_autoround_row_chunks_on_threads_give_the_one_call_result(kind: str) -> None:
     """The layer adapter solves a group in ROW_CHUNK-row chunks on `GroupInputs.map`: the same codes, scales and
-    zero points as one call on the stacked rows (rows never interact), with q_proj's rows kept at full range."""
+    zero points as one call on the stacked rows (rows never interact), with q_proj's rows kept at full range; with
+    `calibration_matmul: bf16` the chunks' D·H products are bf16 on whichever thread runs them."""
     rng = np.random.default_rng(3)
     x = correlated_inputs(128, 512, seed=4, outliers=2)
     h = x.T.astype(np.float64) @ x / len(x)
@@ -374,15 +377,20 @@ def test_autoround_row_chunks_on_threads_give_the_one_call_result() -> None:
     stats = SimpleNamespace(hessian=lambda: h)
     group = GroupInputs(0, ("q_proj", "o_proj"), ("q", "o"), stats, map=threaded)
     state = LayerState(weights.__getitem__)
-    options = {"bits": 4, "group_size": 32, "symmetric": False, "iters": 20, "lr": 0.05}
+    options = {"bits": 4, "group_size": 32, "symmetric": False, "iters": 20, "lr": 0.05, "calibration_matmul": kind}
     autoround_group(group, state, options)
     assert calls == [-(-600 // ROW_CHUNK)]
     fixed = np.arange(600) < 200
-    whole = autoround(np.concatenate([weights["q"], weights["o"]]), h, 4, 32, False, iters=20, lr=0.05,
-                      fixed_range=fixed)
+    stacked = np.concatenate([weights["q"], weights["o"]])
+    with products(kind):
+        whole = autoround(stacked, h, 4, 32, False, iters=20, lr=0.05, fixed_range=fixed)
     for field in ("codes", "scales", "zeros"):
         np.testing.assert_array_equal(np.concatenate([getattr(state.result["q"], field),
                                                       getattr(state.result["o"], field)]), getattr(whole, field))
+    f32 = autoround(stacked, h, 4, 32, False, iters=20, lr=0.05, fixed_range=fixed)
+    if kind == "bf16":  # another solve, as good on the objective
+        assert not np.array_equal(whole.codes, f32.codes)
+        assert err(stacked, whole.dequantize(), h) < 1.02 * err(stacked, f32.dequantize(), h)
 
 
 def test_solvers_are_deterministic(problem: Any) -> None:

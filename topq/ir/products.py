@@ -8,9 +8,9 @@ rounded to bf16 (nearest even), accumulated in float32 inside oneDNN, and the re
 widened back to float32 — what a bf16 target computes for a linear, not what the float32 reference computes.
 
 Which products: a `top.MatMul` by a 2-D matrix (the linears), `top.MLP`'s three projections, `top.MoE`'s router
-and experts — all through `linear` — and the calibration Hessians' Gram sums (`topq.quant.calibration.InputStats`)
-through `matmul`. Attention's score and value products, batched `top.MatMul`s, norms and activations stay float32
-numpy, as does everything outside a `products` block.
+and experts — all through `linear` — and, through `matmul`, the calibration Hessians' Gram sums
+(`topq.quant.calibration.InputStats`) and AutoRound's per-step D·H. Attention's score and value products,
+batched `top.MatMul`s, norms and activations stay float32 numpy, as does everything outside a `products` block.
 
 The choice is a context variable, so it holds for the thread (or task) that set it and nothing else: a worker
 thread or process sets it itself (the calibration tasks do, from their step). Determinism: oneDNN's bf16 product

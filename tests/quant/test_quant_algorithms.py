@@ -19,7 +19,7 @@ from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.ir.products import products
 from topq.plugins.quant import gptq as gptq_module
-from topq.plugins.quant.autoround import ROW_CHUNK, _backward, _forward, autoround
+from topq.plugins.quant.autoround import ROW_CHUNK, autoround
 from topq.plugins.quant.autoround import solve_group as autoround_group
 from topq.plugins.quant.awq import awq, awq_clip_search, awq_scale_search
 from topq.plugins.quant.gptq import _upper_inverse_factor, gptq, row_blocks
@@ -34,6 +34,7 @@ from topq.quant.grid import (
     rtn,
     search_range,
 )
+from topq.quant.learned_rounding import _backward, _forward
 
 
 def correlated_inputs(k: int, tokens: int, seed: int, outliers: int = 0) -> np.ndarray:

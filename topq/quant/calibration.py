@@ -48,7 +48,7 @@ from topq.core.progress import progress_bar
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
 from topq.core.stages import rope_weights
 from topq.ir.analysis import linear_uses, producer, weight_name
-from topq.ir.graph import Function, Operation, Value
+from topq.ir.graph import Function, Module, Operation, Value
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.products import check_kind, matmul, products, torch_threads
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden, moe_expert_tokens, moe_routing
@@ -78,7 +78,8 @@ if TYPE_CHECKING:
     from topq.core.recipe import Recipe
 
 __all__ = [
-    "CalibrationResult", "FoldTarget", "GroupInputs", "HessianStats", "InputStats", "LayerState",
+    "CalibrationResult", "FoldTarget", "GroupInputs", "HessianStats", "InputStats", "LayerInputs", "LayerState",
+    "LayerTuner",
     "calibration_scheme", "calibration_windows", "load_calibration", "quantization_report", "read_token_stream",
     "run_calibration", "sample_windows", "save_calibration", "stacked_solver", "weight_options",
 ]
@@ -434,6 +435,33 @@ class GroupInputs:
     fold: FoldTarget | None = None
     tokens: int = 0  # calibration tokens that reached this input (an expert's coverage)
     map: MapFn = serial_map
+
+
+@dataclass
+class LayerInputs:
+    """One decoder layer as a layer tuner sees it (`LayerTuner`): the tuner quantizes every linear of the layer at
+    once, on the layer's output. `inputs` are what the quantized model feeds the layer (the quantized layers
+    before it), `float_inputs` what the float model feeds it; both [samples, L, H], read-only."""
+
+    layer: int
+    module: Module
+    name: str  # the layer's program function
+    inputs: np.ndarray
+    float_inputs: np.ndarray
+    linears: tuple[str, ...]  # the layer's quantized linears, group by group
+    keys: tuple[str, ...]  # their keys (q_proj, …)
+    map: MapFn = serial_map  # as `GroupInputs.map`
+
+
+@dataclass(frozen=True)
+class LayerTuner:
+    """A scheme's whole-layer solver (AutoRound's block objective). `covers(function, options)`: it tunes this
+    layer (else the layer's groups go to the group solver, as for any scheme). `tune(layer, state, options)`
+    publishes the layer's quantized linears through `state` and returns the float model's outputs of the layer
+    [samples, L, H] (the next layer's `float_inputs`)."""
+
+    covers: Callable[[Function, Mapping[str, Any]], bool]
+    tune: Callable[[LayerInputs, LayerState, Mapping[str, Any]], np.ndarray]
 
 
 @dataclass
@@ -833,7 +861,8 @@ def _weights_read(function: Function) -> list[str]:
 
 def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver, options: Mapping[str, Any],
                     progress: bool = True, desc: str = "calibrate", executor: TaskExecutor | None = None,
-                    observe: Callable[[int], Any] = InputStats, expert_fallback: bool = True) -> CalibrationResult:
+                    observe: Callable[[int], Any] = InputStats, expert_fallback: bool = True,
+                    layer_tuner: LayerTuner | None = None) -> CalibrationResult:
     """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc).
 
     A routed expert's group (top.MoE) is solved on the tokens routed to it; with `expert_fallback` one that
@@ -846,7 +875,12 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     the tasks (identical results for any executor and job count). The solvers run here, between steps; each step's tasks
     get the layer's weights as they are at that point (`TaskExecutor.share`) and compute their linears and Grams
     with `options["calibration_matmul"]`'s products (`topq.ir.products`; default float32 numpy). `observe(k)`
-    makes each group's statistics (`GroupInputs.stats`; default `InputStats`)."""
+    makes each group's statistics (`GroupInputs.stats`; default `InputStats`).
+
+    A layer that `layer_tuner` covers is quantized by it as a whole instead of group by group. Its objective is
+    the float model's output of the layer, so while any layer is tuned so, the loop carries the float model's
+    hidden states beside the quantized model's: the tuner returns them for its layers, and a layer it does not
+    cover computes them with its float weights (one more pass over the samples)."""
     executor = executor if executor is not None else InlineExecutor()
     windows = np.asarray(windows, dtype=np.int32)
     samples, seq_len = windows.shape
@@ -864,6 +898,9 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     tasks = _ThreadTasks(executor.jobs) if executor.name == "local" and executor.jobs > 1 else executor
     chunk = _chunk_size(tasks, samples)
     solver_map = tasks.map_list if isinstance(tasks, _ThreadTasks) else serial_map
+    tuned = [layer_tuner is not None and layer_tuner.covers(module[f"block_{i}"], options)
+             for i in range(spec.num_layers)]
+    float_hidden = hidden.copy() if any(tuned) else None  # the float model's inputs of the next layer
     bar = progress_bar(total=sum(len(p) + 1 for p in plans), desc=desc, unit="group", disable=not progress)
     kind, threads = str(options.get("calibration_matmul") or "f32"), fixed_threads() or 1
     with blas_threads(threads), torch_threads(kind, threads), products(kind):
@@ -884,7 +921,19 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                                       frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n),
                                       matmul=kind)
 
-                for batch in _batches(layer_plans):
+                if tuned[layer]:
+                    assert layer_tuner is not None and float_hidden is not None
+                    bar.set_postfix_str(f"layer {layer}")
+                    float_hidden = layer_tuner.tune(LayerInputs(
+                        layer, module, f"block_{layer}", hidden, float_hidden,
+                        tuple(n for p in layer_plans for n in p.names), tuple(k for p in layer_plans for k in p.keys),
+                        solver_map), state, options)
+                    bar.update(len(layer_plans))
+                elif float_hidden is not None:  # before any weight of the layer changes: its float outputs
+                    fresh: list[Cache] = [{} for _ in range(samples)]
+                    for s, out in enumerate(_map_samples(tasks, step(None), float_hidden, fresh, chunk)):
+                        float_hidden[s] = out
+                for batch in [] if tuned[layer] else _batches(layer_plans):
                     bar.set_postfix_str(f"layer {layer} {'/'.join(layer_plans[batch[0]].keys)}")
                     stats = [observe(layer_plans[g].k) for g in batch]
                     summarizers = tuple(summarizer(st) for st in stats)
@@ -1016,11 +1065,12 @@ def calibration_scheme(name: str, description: str, *, solve: WeightSolver | Non
                        group_solver: GroupSolver | None = None, observe: Callable[[int], Any] = InputStats,
                        own_options: tuple[Option, ...] = (),
                        read_options: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda quant: {},
-                       ) -> QuantScheme:
+                       layer_tuner: LayerTuner | None = None) -> QuantScheme:
     """A weight-only QuantScheme whose `calibrate` runs the layer loop: each quant group's input statistics
     (`observe`, default `InputStats`) go to `solve` (`QuantScheme.solve`: stacked weights → QuantizedWeight) or, for
     a scheme that rewrites more than the group's weights (AWQ folds scales into the previous op), to `group_solver`
-    (reads and publishes through `LayerState`). Exactly one of the two is given.
+    (reads and publishes through `LayerState`). Exactly one of the two is given. A `layer_tuner` quantizes the
+    layers it covers as a whole instead (`run_calibration`).
 
     `own_options` are the scheme's recipe options beside bits / group_size / symmetric / act_dtype;
     `read_options(quant)` checks and defaults them (the solver gets both). The scheme produces `bits`-bit weights
@@ -1043,7 +1093,8 @@ def calibration_scheme(name: str, description: str, *, solve: WeightSolver | Non
     def calibrate(model: LoadedModel, recipe: Recipe, *, executor: TaskExecutor | None = None) -> CalibrationResult:
         options = options_of(recipe.to_dict()["quant"])
         windows = calibration_windows(model, recipe)
-        return run_calibration(model, windows, solve_group, options, desc=name, executor=executor, observe=observe)
+        return run_calibration(model, windows, solve_group, options, desc=name, executor=executor, observe=observe,
+                               layer_tuner=layer_tuner)
 
     def quantize(weight: np.ndarray, options: Mapping[str, Any]) -> QuantizedWeight:
         # Weights outside the decoder layers (e.g. `quant.lm_head: gptq`) have no calibration: round to nearest.

@@ -1,0 +1,72 @@
+"""AutoRound's block objective (`topq.quant.autoround_block`): every linear of a layer tuned on the
+layer's output; layers the torch kernels do not run fall back to the per-linear objective; the minibatch shards
+give the same bits on any executor (tests/quant/test_calibration_executor.py runs the executors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from data_paths import AUSTEN
+
+from topq.core.errors import TopqError
+
+CALIBRATION = {"samples": 6, "seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def ids(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("autoround_block") / "emma.ids"
+    path.write_text(" ".join(str(b) for b in (AUSTEN / "00_EMMA.txt").read_bytes()[:8000]))
+    return path
+
+
+def _calibrate(loaded_tiny: Any, kind: str, ids: Path, **quant: Any) -> Any:
+    from topq.core.plugins import get_plugins
+    from topq.core.recipe import recipe_from_defaults
+
+    model = loaded_tiny(kind, 32)
+    recipe = recipe_from_defaults(model={"path": str(model.checkpoint.path)},
+                                  quant={"scheme": "autoround", "group_size": 32, "objective": "block", **quant,
+                                         "calibration": {"data": str(ids), **CALIBRATION}},
+                                  stages={"seq_length": 32, "max_input_length": 32, "prefill_kv": False})
+    return get_plugins().schemes.get("autoround").calibrate(model, recipe)
+
+
+def test_every_layer_is_tuned_on_its_output_and_beats_rounding_to_nearest(loaded_tiny: Any, ids: Path) -> None:
+    result = _calibrate(loaded_tiny, "llama", ids, iters=40, batch_size=4)
+    rows = result.report
+    assert len(rows) == 2 * 7 and {row["objective"] for row in rows} == {"block"}
+    for layer in range(2):  # one layer error for all of a layer's linears
+        mine = [row for row in rows if f"layers.{layer}." in row["name"]]
+        assert len({row["error"] for row in mine}) == 1 and len(mine) == 7
+        assert 0 < mine[0]["ratio"] < 0.9, mine[0]  # the tuned layer's output error is below RTN's
+        assert mine[0]["error"] < mine[0]["rtn_error"]
+
+
+def test_block_and_linear_objectives_differ_and_are_reproducible(loaded_tiny: Any, ids: Path) -> None:
+    block = _calibrate(loaded_tiny, "llama", ids, iters=10, batch_size=4)
+    again = _calibrate(loaded_tiny, "llama", ids, iters=10, batch_size=4)
+    linear = _calibrate(loaded_tiny, "llama", ids, iters=10, objective="linear")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    np.testing.assert_array_equal(block[name].codes, again[name].codes)
+    assert not np.array_equal(block[name].codes, linear[name].codes)
+    assert {row["objective"] for row in linear.report} == {"linear"}
+
+
+def test_layers_without_torch_kernels_use_the_per_linear_objective(loaded_tiny: Any, ids: Path) -> None:
+    """Qwen3.5's linear-attention layers (top.ChunkGatedDeltaRule) fall back; its full-attention layers are tuned
+    on their output, with the float model's hidden states carried through the fallback layers."""
+    result = _calibrate(loaded_tiny, "qwen3_5", ids, iters=5, batch_size=4)
+    objectives = {row["name"].split(".layers.")[1].split(".")[0]: row["objective"] for row in result.report}
+    assert set(objectives.values()) == {"block", "linear"}, objectives
+    model = loaded_tiny("qwen3_5", 32)
+    assert [objectives[str(i)] for i in range(model.spec.num_layers)] == \
+        ["block" if kind == "full_attention" else "linear" for kind in model.spec.layer_types]
+
+
+def test_a_bad_objective_is_refused(loaded_tiny: Any, ids: Path) -> None:
+    with pytest.raises(TopqError, match="objective"):
+        _calibrate(loaded_tiny, "llama", ids, objective="layer")

@@ -1,0 +1,230 @@
+"""Top IR's decoder-layer ops in torch, differentiable, on a batch of windows: for calibration that needs gradients
+through a whole layer (AutoRound's block objective, `topq.quant.autoround_block`).
+
+`TorchFunction` runs one program function (written, as every stage function is, for batch 1) on inputs
+[B, L, ...] with the weights given per call, so a tuner can pass tensors that require gradients for the linears
+it trains. The kernels follow the reference kernels (`topq.ir.reference_ops`, the semantics) in float32; only the
+linears' products may run in bf16 (`linear_dtype`, as `topq.ir.products` does for the numpy kernels).
+tests/ir/test_torch_kernels.py compares every family's layers with the reference interpreter.
+
+Covered are the ops of dense decoder layers (attention with GQA, soft-capping and sliding windows, gated MLPs,
+norms, RoPE); a function with any other op (top.MoE's routing, linear attention's recurrences) is refused by
+`uncovered_ops` / `TorchFunction`, and the caller tunes such a layer another way. The batch axis is axis 0: an op
+that would move or resize it (a reshape, permute, slice or concat touching axis 0) is refused too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from topq.ir.errors import TopqError
+from topq.ir.graph import Function, Module, Operation
+from topq.ir.interpreter import Interpreter
+from topq.ir.reference_ops import FULLY_MASKED_SCORE
+
+__all__ = ["TorchFunction", "require_torch", "torch_kernels", "uncovered_ops"]
+
+TorchKernel = Callable[[list[Any], dict[str, Any]], list[Any]]
+
+
+def require_torch() -> Any:
+    """torch, or a TopqError saying it is needed."""
+    try:
+        import torch
+    except ImportError:
+        raise TopqError("gradients through a layer need torch (pip install torch)") from None
+    return torch
+
+
+def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
+    """op name → torch kernel; the linears (a `top.MatMul` by a 2-D weight, `top.MLP`'s projections) multiply in
+    `linear_dtype` ("f32", or "bf16": operands and result rounded to bfloat16, accumulated in float32)."""
+    torch = require_torch()
+    f = torch.nn.functional
+    cast = {"f32": None, "bf16": torch.bfloat16}[linear_dtype]
+
+    def linear(x: Any, w: Any) -> Any:
+        if cast is None:
+            return f.linear(x, w)
+        return f.linear(x.to(cast), w.to(cast)).to(torch.float32)
+
+    def gelu_tanh(x: Any) -> Any:
+        return f.gelu(x, approximate="tanh")
+
+    acts: dict[str, Callable[[Any], Any]] = {"silu": f.silu, "gelu": f.gelu, "gelu_tanh": gelu_tanh}
+
+    def gather(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        table, idx = inputs
+        if int(attrs.get("axis", 0)) != 0:
+            raise TopqError("top.Gather: the torch kernels take axis 0 only")
+        return [table[torch.as_tensor(idx, dtype=torch.long)]]
+
+    def rmsnorm(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        x = inputs[0]
+        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + float(attrs["eps"]))
+        return [y * inputs[1] if len(inputs) > 1 and inputs[1] is not None else y]
+
+    def layernorm(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        x = inputs[0]
+        w = inputs[1] if len(inputs) > 1 else None
+        b = inputs[2] if len(inputs) > 2 else None
+        return [f.layer_norm(x, x.shape[-1:], w, b, float(attrs["eps"]))]
+
+    def matmul(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        a, b = inputs[:2]
+        rt = bool(attrs.get("right_transpose", False))
+        if b.dim() == 2:
+            y = linear(a, b if rt else b.T)
+        else:
+            y = torch.matmul(a, b.transpose(-1, -2) if rt else b)
+        return [y + inputs[2] if len(inputs) > 2 and inputs[2] is not None else y]
+
+    def reshape(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        shape = [int(s) for s in attrs["shape"]]
+        if not shape or shape[0] != 1:
+            raise TopqError(f"top.Reshape to {shape}: the torch kernels keep axis 0 as the batch")
+        return [inputs[0].reshape(inputs[0].shape[0], *shape[1:])]
+
+    def permute(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        order = [int(o) for o in attrs["order"]]
+        if order[0] != 0:
+            raise TopqError(f"top.Permute {order}: the torch kernels keep axis 0 as the batch")
+        return [inputs[0].permute(order)]
+
+    def concat(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        axis = int(attrs["axis"])
+        if axis % inputs[0].dim() == 0:
+            raise TopqError("top.Concat along axis 0: the torch kernels keep axis 0 as the batch")
+        return [torch.cat(list(inputs), dim=axis)]
+
+    def slice_(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        x = inputs[0]
+        offset, ends = attrs["offset"], attrs["ends"]
+        steps = attrs.get("steps", [1] * x.dim())
+        if (int(offset[0]), int(steps[0])) != (0, 1) or int(ends[0]) < 1:
+            raise TopqError("top.Slice of axis 0: the torch kernels keep axis 0 as the batch")
+        key = (slice(None), *(slice(int(o), int(e), int(s)) for o, e, s in zip(offset[1:], ends[1:], steps[1:])))
+        return [x[key]]
+
+    def rope(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        x, cos, sin = inputs
+        c, s = cos[..., None, :], sin[..., None, :]  # the same angles for every head
+        r = cos.shape[-1]
+        rotated, rest = x[..., :r], x[..., r:]  # partial rotary: the tail passes through
+        if attrs.get("mode", "contiguous_halves") == "contiguous_halves":
+            h = r // 2
+            x1, x2 = rotated[..., :h], rotated[..., h:]
+            out = torch.cat([x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:]], dim=-1)
+        else:
+            xe, xo = rotated[..., 0::2], rotated[..., 1::2]
+            out = torch.stack([xe * c[..., 0::2] - xo * s[..., 0::2], xo * c[..., 1::2] + xe * s[..., 1::2]],
+                              dim=-1).flatten(-2)
+        return [torch.cat([out, rest], dim=-1) if rest.shape[-1] else out]
+
+    def attention(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        q, k, v = (t.transpose(1, 2) for t in inputs[:3])  # [B, H, L, D]
+        mask = inputs[3] if len(inputs) > 3 else None
+        b, hq, lq, d = q.shape
+        lk = k.shape[2]
+        scale = float(attrs["scale"])
+        causal = bool(attrs.get("causal", True))
+        softcap = float(attrs.get("softcap") or 0.0)
+        window = int(attrs.get("window") or 0)
+        if mask is None and softcap == 0 and window == 0 and (lq == lk or not causal):
+            out = f.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+            return [out.transpose(1, 2).reshape(b, lq, hq * d)]
+        group = hq // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        if mask is not None:
+            scores = scores + mask
+        i = torch.arange(lq)[:, None] + (lk - lq)  # bottom-right aligned: the first Lk − Lq keys are history
+        j = torch.arange(lk)[None, :]
+        hidden = (j > i) if causal else torch.zeros(lq, lk, dtype=torch.bool)
+        if window > 0:
+            hidden = hidden | ((i - j >= window) & (j >= lk - lq))
+        scores = scores.masked_fill(hidden, float("-inf"))
+        dead = scores.amax(-1, keepdim=True) <= FULLY_MASKED_SCORE  # as the reference: such rows give zeros
+        probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+        return [torch.matmul(probs, v).transpose(1, 2).reshape(b, lq, hq * d)]
+
+    def mlp(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        x, wg, wu, wd = inputs
+        act = acts.get(str(attrs.get("act", "silu")))
+        if act is None:
+            raise TopqError(f"top.MLP: act must be one of {', '.join(acts)}, got {attrs.get('act')!r}")
+        return [linear(act(linear(x, wg)) * linear(x, wu), wd)]
+
+    def unary(fn: Callable[[Any], Any]) -> TorchKernel:
+        return lambda inputs, attrs: [fn(inputs[0])]
+
+    def gelu(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
+        return [f.gelu(inputs[0], approximate=str(attrs.get("approximate", "none")))]
+
+    return {
+        "top.Gather": gather, "top.RMSNorm": rmsnorm, "top.LayerNorm": layernorm, "top.MatMul": matmul,
+        "top.Add": lambda inputs, attrs: [inputs[0] + inputs[1]],
+        "top.Mul": lambda inputs, attrs: [inputs[0] * inputs[1]],
+        "top.MulConst": lambda inputs, attrs: [inputs[0] * float(attrs["const_val"])],
+        "top.Reshape": reshape, "top.Permute": permute, "top.Concat": concat, "top.Slice": slice_,
+        "top.Rope": rope, "top.FAttention": attention, "top.MLP": mlp,
+        "top.SiLU": unary(f.silu), "top.Tanh": unary(torch.tanh), "top.GELU": gelu,
+        "top.Sigmoid": unary(torch.sigmoid),
+        "top.Softmax": lambda inputs, attrs: [torch.softmax(inputs[0], dim=int(attrs.get("axis", -1)))],
+    }
+
+
+#: the ops `torch_kernels` covers (besides top.Weight, whose values each call passes)
+COVERED = frozenset(("top.Gather", "top.RMSNorm", "top.LayerNorm", "top.MatMul", "top.Add", "top.Mul",
+                     "top.MulConst", "top.Reshape", "top.Permute", "top.Concat", "top.Slice", "top.Rope",
+                     "top.FAttention", "top.MLP", "top.SiLU", "top.Tanh", "top.GELU", "top.Sigmoid",
+                     "top.Softmax"))
+
+
+def uncovered_ops(function: Function) -> list[str]:
+    """The ops of `function` the torch kernels do not run, sorted (empty: `TorchFunction` can run it)."""
+    return sorted({op.name for op in function.walk() if op.name != "top.Weight" and op.name not in COVERED})
+
+
+class _Planner(Interpreter):
+    """The reference interpreter's plan of a function, with each weight slot holding the weight's name (the values
+    come with every call)."""
+
+    def load_weight(self, op: Operation) -> Any:
+        return str(op.attrs["name"])
+
+
+class TorchFunction:
+    """`function` of `module` run by torch: `fn(inputs, weights)` with inputs [B, ...] (the function's argument
+    shapes with any batch B) and `weights` name → tensor for every weight the function reads (`fn.weights`)."""
+
+    def __init__(self, module: Module, name: str, linear_dtype: str = "f32") -> None:
+        function = module[name]
+        missing = uncovered_ops(function)
+        if missing:
+            raise TopqError(f"@{name}: the torch kernels do not run {', '.join(missing)}")
+        planner = _Planner(module, lambda _: None)  # type: ignore[arg-type, return-value]
+        planner.kernels = torch_kernels(linear_dtype)
+        self.name = name
+        self._plan = planner.plan(function)
+        self.weights: tuple[str, ...] = tuple(dict.fromkeys(self._plan.constants.values()))  # type: ignore[arg-type]
+
+    def __call__(self, inputs: Sequence[Any], weights: Mapping[str, Any]) -> list[Any]:
+        torch = require_torch()
+        plan = self._plan
+        if len(inputs) != len(plan.inputs):
+            raise TopqError(f"@{self.name} takes {len(plan.inputs)} inputs, got {len(inputs)}")
+        env: list[Any] = [None] * plan.num_slots
+        for s, value in zip(plan.inputs, inputs):
+            env[s] = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        for s, weight in plan.constants.items():
+            env[s] = weights[weight]  # type: ignore[index]
+        for step in plan.steps:
+            outs = step.kernel([env[i] for i in step.operands], step.attrs)
+            for s, value in zip(step.results, outs):
+                env[s] = value
+        return [env[s] for s in plan.outputs]
+

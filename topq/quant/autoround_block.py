@@ -1,0 +1,137 @@
+"""AutoRound's block objective (Cheng et al. 2023, and auto-round's default): every linear of a decoder layer tuned
+together on the layer's output.
+
+Each step draws `batch_size` calibration windows (seeded: the same draws every run) and runs them through the
+layer in torch (`topq.ir.torch_kernels`) with every linear at its current quantize-dequantize Ŵ. The loss is
+||layer_q(x_q) − layer(x_f)||²: the quantized layer on what the quantized model feeds it against the float layer
+on what the float model feeds it (auto-round's `enable_quanted_input`), so a layer also makes up for the error of
+the layers before it. Its gradient with respect to each Ŵ — through attention, the norms and the MLP — goes through
+the straight-through quantizer of the per-linear objective (`learned_rounding.Rounding`) into the offsets V and range
+factors α, β, stepped by SignSGD with the learning rate decaying linearly to 0. The layer keeps the parameters of
+its lowest minibatch loss (step 0 is round-to-nearest), as auto-round does.
+
+Unlike the per-linear objective, q_proj and k_proj tune their ranges too: the block loss sees q·kᵀ and the softmax.
+
+Parallel work and determinism: a minibatch is cut into shards of SHARD windows, each a task on the loop's threads
+(`LayerInputs.map`, torch on one intra-op thread each), and the shards' losses and gradients are summed in shard
+order; the linears' quantizer steps are tasks too. Any executor and job count give the same bits.
+
+The report rows of a tuned layer give the layer's relative output error (not each linear's): on the first
+`batch_size` windows, sqrt(loss / ||layer(x_f)||²) with the tuned weights (`error`) and with round-to-nearest
+(`rtn_error`), and their loss ratio (`ratio`), with `objective: block`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from topq.ir.graph import Function
+from topq.ir.torch_kernels import TorchFunction, require_torch, uncovered_ops
+from topq.quant.calibration import LayerInputs, LayerState, LayerTuner
+from topq.quant.learned_rounding import Rounding, step_size
+
+#: windows per gradient task (a minibatch of 8 is two tasks: the two cores of a small machine)
+SHARD = 4
+#: the minibatch draws' seed (auto-round's default seed)
+SEED = 42
+
+
+def covers(function: Function, options: Mapping[str, Any]) -> bool:
+    """The block objective is chosen and torch runs every op of the layer (else: the per-linear objective)."""
+    return options["objective"] == "block" and not uncovered_ops(function)
+
+
+@contextmanager
+def _one_torch_thread(torch: Any) -> Iterator[None]:
+    """The shards are the parallel part: each runs torch on the thread that runs it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> np.ndarray:
+    """Quantize every linear of `layer` on the layer's output (see the module doc); the float layer's outputs."""
+    torch = require_torch()
+    fn = TorchFunction(layer.module, layer.name, options["calibration_matmul"])
+    roundings = [Rounding(state.float_weight(n), options["bits"], options["group_size"], options["symmetric"])
+                 for n in layer.linears]
+    tuned = set(layer.linears)
+    others = {n: torch.asarray(state.current_weight(n)) for n in fn.weights if n not in tuned}
+    samples, seq_len = layer.inputs.shape[:2]
+    positions = torch.arange(seq_len, dtype=torch.int32)[None]
+
+    def run(x: np.ndarray, weights: Mapping[str, Any]) -> Any:
+        return fn([torch.asarray(x), positions], {**others, **weights})[0]
+
+    def weights_of(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
+        return {n: torch.asarray(a) for n, a in zip(layer.linears, arrays)}
+
+    def shards(rows: np.ndarray) -> list[np.ndarray]:
+        return [rows[a:a + SHARD] for a in range(0, len(rows), SHARD)]
+
+    float_weights = weights_of([r.w for r in roundings])
+
+    def float_outputs(rows: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return run(layer.float_inputs[rows], float_weights).numpy()
+
+    def loss_of(rows: np.ndarray, w_hat: Sequence[np.ndarray]) -> float:
+        with torch.no_grad():
+            return float((run(layer.inputs[rows], weights_of(w_hat)) - torch.asarray(targets[rows])).square().sum())
+
+    def loss_and_grads(rows: np.ndarray, w_hat: Sequence[np.ndarray]) -> tuple[float, list[np.ndarray]]:
+        leaves = [torch.asarray(w).requires_grad_(True) for w in w_hat]
+        out = run(layer.inputs[rows], dict(zip(layer.linears, leaves)))
+        loss = (out - torch.asarray(targets[rows])).square().sum()
+        return float(loss.detach()), [g.numpy() for g in torch.autograd.grad(loss, leaves)]
+
+    iters, lr = int(options["iters"]), float(options["lr"])
+    batch = min(int(options["batch_size"]), samples)
+    draws = np.random.default_rng((SEED, layer.layer))
+    with _one_torch_thread(torch):
+        targets = np.concatenate(layer.map(float_outputs, shards(np.arange(samples))))
+        best_loss, best = np.inf, [r.params() for r in roundings]
+        rtn = [r.forward().y.reshape(r.shape) for r in roundings]
+        for step in range(iters + 1):
+            forwards = layer.map(Rounding.forward, roundings)
+            w_hat = [f.y.reshape(r.shape) for f, r in zip(forwards, roundings)]
+            drawn = shards(draws.permutation(samples)[:batch])
+            parts = layer.map(lambda rows, w_hat=w_hat: loss_and_grads(rows, w_hat), drawn)
+            loss = sum(part[0] for part in parts)
+            if loss < best_loss:
+                best_loss, best = loss, [r.params() for r in roundings]
+            if step == iters:  # the last evaluation only scores the final parameters
+                break
+            grads = [sum(gs[1:], gs[0]) for gs in zip(*(part[1] for part in parts))]  # in shard order
+            lr_now = step_size(lr, step, iters)
+            layer.map(lambda i, g=grads, f=forwards, lr_now=lr_now: roundings[i].step(g[i], f[i], lr_now),
+                      range(len(roundings)))
+        quantized = [r.quantized(p) for r, p in zip(roundings, best)]
+        for name, qw in zip(layer.linears, quantized):
+            state.set_quantized(name, qw)
+        first = np.arange(batch)
+        reference = float(np.square(targets[first], dtype=np.float64).sum())
+        rtn_loss = sum(layer.map(lambda rows: loss_of(rows, rtn), shards(first)))
+        tuned_loss = sum(layer.map(lambda rows: loss_of(rows, [state.current_weight(n) for n in layer.linears]),
+                                   shards(first)))
+    _report(state, layer, tuned_loss, rtn_loss, reference)
+    return targets
+
+
+def _report(state: LayerState, layer: LayerInputs, tuned: float, rtn: float, reference: float) -> None:
+    def rel(loss: float) -> float:
+        return float(np.sqrt(loss / reference)) if reference > 0 else 0.0
+
+    for name in layer.linears:
+        state.result.report.append({"name": name, "objective": "block", "error": rel(tuned), "rtn_error": rel(rtn),
+                                    "ratio": tuned / rtn if rtn > 0 else 0.0})
+
+
+LAYER_TUNER = LayerTuner(covers, tune)

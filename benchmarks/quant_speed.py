@@ -59,7 +59,9 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "awq-bf16": ("AWQ (scale + clip), bf16 products", "awq", {"clip": True, "calibration_matmul": "bf16"}),
     "autoround": ("AutoRound", "autoround", {}),
     "autoround-bf16": ("AutoRound, bf16 products", "autoround", {"calibration_matmul": "bf16"}),
-    # the per-linear objective (each linear's output error through H) instead of the layer's output
+    # the block objective (every linear of a layer on the layer's output, auto-round's) and the per-linear one
+    "autoround-block-bf16": ("AutoRound block objective, bf16 products", "autoround",
+                             {"calibration_matmul": "bf16", "objective": "block"}),
     "autoround-linear-bf16": ("AutoRound per linear, bf16 products", "autoround",
                               {"calibration_matmul": "bf16", "objective": "linear"}),
     # the row (docs/quantization.md's int8 table): the budget on held-out EMMA is tighter than the 1.05 ×

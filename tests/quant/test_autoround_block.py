@@ -67,6 +67,8 @@ def test_layers_without_torch_kernels_use_the_per_linear_objective(loaded_tiny: 
         ["block" if kind == "full_attention" else "linear" for kind in model.spec.layer_types]
 
 
-def test_a_bad_objective_is_refused(loaded_tiny: Any, ids: Path) -> None:
+def test_a_bad_objective_and_a_batch_without_minibatches_are_refused(loaded_tiny: Any, ids: Path) -> None:
     with pytest.raises(TopqError, match="objective"):
         _calibrate(loaded_tiny, "llama", ids, objective="layer")
+    with pytest.raises(TopqError, match="quant.batch_size is for quant.objective: block"):
+        _calibrate(loaded_tiny, "llama", ids, objective="linear", batch_size=4)

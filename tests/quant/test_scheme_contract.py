@@ -150,7 +150,7 @@ def test_builtin_schema_keeps_todays_quant_keys_and_defaults() -> None:
         "scheme": "f32", "bits": None, "group_size": 64, "symmetric": False, "lm_head": "bf16", "act_dtype": None,
         "calibration_matmul": "f32", "act_order": False, "damp": 0.01, "block_size": 128, "static_groups": False,
         "scale_search": "minmax",
-        "clip": True, "iters": 200, "lr": None, "objective": "linear", "batch_size": 8,
+        "clip": True, "iters": 200, "lr": None, "objective": "linear", "batch_size": None,
         "observer": "minmax", "percentile": 99.99, "smooth_alpha": None, "dynamic_tokens": False, "budget": None,
         "table": None, "expert_min_tokens": 16,
         "calibration": {"data": None, "samples": 128, "seq_len": 512, "seed": 0}}

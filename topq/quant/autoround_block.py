@@ -98,10 +98,11 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
     with _one_torch_thread(torch):
         targets = np.concatenate(layer.map(float_outputs, shards(np.arange(samples))))
         best_loss, best = np.inf, [r.params() for r in roundings]
-        rtn = [r.forward().y.reshape(r.shape) for r in roundings]
         for step in range(iters + 1):
             forwards = layer.map(Rounding.forward, roundings)
             w_hat = [f.y.reshape(r.shape) for f, r in zip(forwards, roundings)]
+            if step == 0:
+                rtn = w_hat  # V = 0, α = β = 1: round-to-nearest, for the report
             drawn = shards(draws.permutation(samples)[:batch])
             parts = layer.map(lambda rows, w_hat=w_hat: loss_and_grads(rows, w_hat), drawn)
             loss = sum(part[0] for part in parts)

@@ -449,7 +449,6 @@ class LayerInputs:
     inputs: np.ndarray
     float_inputs: np.ndarray
     linears: tuple[str, ...]  # the layer's quantized linears, group by group
-    keys: tuple[str, ...]  # their keys (q_proj, …)
     map: MapFn = serial_map  # as `GroupInputs.map`
 
 
@@ -926,8 +925,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                     bar.set_postfix_str(f"layer {layer}")
                     float_hidden = layer_tuner.tune(LayerInputs(
                         layer, module, f"block_{layer}", hidden, float_hidden,
-                        tuple(n for p in layer_plans for n in p.names), tuple(k for p in layer_plans for k in p.keys),
-                        solver_map), state, options)
+                        tuple(n for p in layer_plans for n in p.names), solver_map), state, options)
                     bar.update(len(layer_plans))
                 elif float_hidden is not None:  # before any weight of the layer changes: its float outputs
                     fresh: list[Cache] = [{} for _ in range(samples)]

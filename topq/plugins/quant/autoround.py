@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 import topq
+from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.progress import progress_bar
 from topq.core.quant import Option, QuantizedWeight, QuantScheme
@@ -99,6 +100,7 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
 
 
 OBJECTIVES = ("block", "linear")
+DEFAULT_BATCH = 8  # auto-round's batch_size
 
 OPTIONS = (
     Option("iters", Field("int", 200, ge=0, help="autoround: optimisation steps (0 = plain rounding)")),
@@ -106,7 +108,8 @@ OPTIONS = (
     Option("objective", Field("str", "linear", choices=OBJECTIVES,
                               help="autoround: block (each layer's output, minibatches) or linear (each linear's "
                                    "output error through H)")),
-    Option("batch_size", Field("int", 8, ge=1, help="autoround: calibration windows per step (objective block)")),
+    Option("batch_size", Field("int", None, nullable=True, ge=1,
+                               help="autoround: calibration windows per step (objective block); null = 8")),
 )
 
 
@@ -115,8 +118,10 @@ def read_options(quant: Mapping[str, Any]) -> dict[str, Any]:
     objective = str(quant["objective"])
     if objective == "block":
         require_torch()
+    elif quant["batch_size"] is not None:  # the per-linear objective uses every token at each step
+        raise TopqError("quant.batch_size is for quant.objective: block; the linear objective has no minibatches")
     return {"iters": iters, "lr": float(quant["lr"]) if quant["lr"] is not None else 1.0 / max(iters, 1),
-            "objective": objective, "batch_size": int(quant["batch_size"])}
+            "objective": objective, "batch_size": int(quant["batch_size"] or DEFAULT_BATCH)}
 
 
 SCHEME = calibration_scheme(

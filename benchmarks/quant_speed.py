@@ -62,6 +62,10 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # the block objective (every linear of a layer on the layer's output, auto-round's) and the per-linear one
     "autoround-block-bf16": ("AutoRound block objective, bf16 products", "autoround",
                              {"calibration_matmul": "bf16", "objective": "block"}),
+    # as auto-round's model is evaluated in float32 (fake-quantized): scales and lm_head in float32
+    "autoround-block-f32-bf16": ("AutoRound block objective, f32 scales + lm_head, bf16 products", "autoround",
+                                 {"calibration_matmul": "bf16", "objective": "block", "act_dtype": "f32",
+                                  "lm_head": "f32"}),
     "autoround-linear-bf16": ("AutoRound per linear, bf16 products", "autoround",
                               {"calibration_matmul": "bf16", "objective": "linear"}),
     # the row (docs/quantization.md's int8 table): the budget on held-out EMMA is tighter than the 1.05 ×
@@ -77,6 +81,7 @@ PEERS = {"gptq-static-f32": ("llm-compressor", "llmcompressor", "gptq"),
          "awq": ("llm-compressor", "llmcompressor", "awq"),
          "autoround": ("auto-round", "auto_round", "autoround")}
 PEERS |= {f"{key}-bf16": peer for key, peer in PEERS.items() if f"{key}-bf16" in ROWS}
+PEERS |= {key: PEERS["autoround"] for key in ROWS if key.startswith("autoround-")}  # every AutoRound row: auto-round
 PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 
@@ -233,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if key in PEERS and PEERS[key][2] not in peers_run:
             tool, module, peer_method = PEERS[key]
             peers_run.add(peer_method)
-            # the peer's own setting: float32 products, and auto-round's --peer-iters
-            method = ROWS[key][0].removesuffix(", bf16 products") + (
-                f" ({args.peer_iters} iters)" if ROWS[key][1] == "autoround" else "")
+            # the peer's own setting: float32 products; auto-round with its defaults and --peer-iters
+            method = f"AutoRound ({args.peer_iters} iters)" if ROWS[key][1] == "autoround" else \
+                ROWS[key][0].removesuffix(", bf16 products")
             if not peer_importable(args.peer_python, module):
                 rows.append({"method": method, "tool": tool, "perplexity": None, "seconds": None,
                              "peak_rss_mib": None, "note": "not installed"})

@@ -72,3 +72,24 @@ def test_a_bad_objective_and_a_batch_without_minibatches_are_refused(loaded_tiny
         _calibrate(loaded_tiny, "llama", ids, objective="layer")
     with pytest.raises(TopqError, match="quant.batch_size is for quant.objective: block"):
         _calibrate(loaded_tiny, "llama", ids, objective="linear", batch_size=4)
+
+
+def test_minibatches_are_seeded_epochs_of_every_window() -> None:
+    """auto-round's IndexSampler: each epoch a fresh shuffle of all windows cut into batches, the short tail
+    dropped; the same seed gives the same draws."""
+    from itertools import islice
+
+    from topq.quant.autoround_block import minibatches
+
+    draws = list(islice(minibatches(10, 4, (42, 0)), 6))  # 2 batches per epoch: 3 epochs
+    assert all(len(d) == 4 for d in draws)
+    for epoch in range(3):
+        seen = np.concatenate(draws[2 * epoch:2 * epoch + 2])
+        assert len(set(seen.tolist())) == 8 and set(seen.tolist()) <= set(range(10))
+    assert not np.array_equal(np.concatenate(draws[:2]), np.concatenate(draws[2:4]))  # reshuffled
+    again = list(islice(minibatches(10, 4, (42, 0)), 6))
+    np.testing.assert_array_equal(np.stack(draws), np.stack(again))
+    other = list(islice(minibatches(10, 4, (42, 1)), 6))  # another layer's seed
+    assert not np.array_equal(np.stack(draws), np.stack(other))
+    # a batch of all windows: every draw is every window
+    assert all(sorted(d.tolist()) == list(range(5)) for d in islice(minibatches(5, 5, 0), 3))

@@ -18,6 +18,7 @@ from host_bundles import TinyCheckpoint
 from topq.core.errors import TopqError
 from topq.core.plugins import get_plugins
 from topq.ir.products import products
+from topq.ir.types import round_to_dtype
 from topq.plugins.quant import gptq as gptq_module
 from topq.plugins.quant.autoround import ROW_CHUNK, autoround
 from topq.plugins.quant.autoround import solve_group as autoround_group
@@ -34,7 +35,7 @@ from topq.quant.grid import (
     rtn,
     search_range,
 )
-from topq.quant.learned_rounding import _backward, _forward
+from topq.quant.learned_rounding import Rounding, _backward, _forward
 
 
 def correlated_inputs(k: int, tokens: int, seed: int, outliers: int = 0) -> np.ndarray:
@@ -361,6 +362,24 @@ def test_autoround_fixed_range_rows_tune_only_their_rounding(problem: Any) -> No
     np.testing.assert_array_equal(tuned.zeros[fixed], plain.zeros[fixed])
     assert (tuned.codes[fixed] != plain.codes[fixed]).any()
     assert not np.array_equal(tuned.scales[~fixed], plain.scales[~fixed])
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_autoround_tunes_the_scales_it_stores(problem: Any, symmetric: bool) -> None:
+    """With scale_dtype bf16 every step quantizes with bf16-rounded scales, so the weight the tuning scored is the
+    weight the bundle stores: the result's scales are bf16 values and its dequantization is the last forward's Ŵ."""
+    w, _, h = problem
+    tuned = autoround(w, h, 4, 32, symmetric, iters=30, scale_dtype="bf16")
+    np.testing.assert_array_equal(tuned.scales, round_to_dtype(tuned.scales, "bf16"))
+    rounding = Rounding(w, 4, 32, symmetric, "bf16")
+    rounding.v[:] = np.random.default_rng(3).uniform(-0.5, 0.5, size=rounding.v.shape).astype(np.float32)
+    rounding.alpha[:], rounding.beta[:] = 0.8, 0.9
+    f = rounding.forward()
+    np.testing.assert_array_equal(f.scale[..., 0], round_to_dtype(f.scale[..., 0], "bf16"))
+    stored = rounding.quantized(rounding.params()).dequantize()
+    np.testing.assert_allclose(stored, f.y.reshape(w.shape), rtol=0, atol=1e-6)
+    # float32 scales are not rounded: another result
+    assert not np.array_equal(autoround(w, h, 4, 32, symmetric, iters=30).scales, tuned.scales)
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16"])

@@ -3,8 +3,10 @@ through a whole layer (AutoRound's block objective, `topq.quant.autoround_block`
 
 `TorchFunction` runs one program function (written, as every stage function is, for batch 1) on inputs
 [B, L, ...] with the weights given per call, so a tuner can pass tensors that require gradients for the linears
-it trains. The kernels follow the reference kernels (`topq.ir.reference_ops`, the semantics) in float32; only the
-linears' products may run in bf16 (`linear_dtype`, as `topq.ir.products` does for the numpy kernels).
+it trains. The kernels follow the reference kernels (`topq.ir.reference_ops`, the semantics) in float32, or with
+`linear_dtype="bf16"` the heavy products in bfloat16 (accumulated in float32): the linears' (as `topq.ir.products`
+does for the numpy kernels), attention's (q, k, v rounded to bfloat16) and the MLP's gated product; norms, RoPE and
+the residual stream stay float32.
 tests/ir/test_torch_kernels.py compares every family's layers with the reference interpreter.
 
 Covered are the ops of dense decoder layers (attention with GQA, soft-capping and sliding windows, gated MLPs,
@@ -38,8 +40,10 @@ def require_torch() -> Any:
 
 
 def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
-    """op name → torch kernel; the linears (a `top.MatMul` by a 2-D weight, `top.MLP`'s projections) multiply in
-    `linear_dtype` ("f32", or "bf16": operands and result rounded to bfloat16, accumulated in float32)."""
+    """op name → torch kernel; the linears (a `top.MatMul` by a 2-D weight, `top.MLP`'s projections), attention and
+    the MLP's gated product run in `linear_dtype` ("f32", or "bf16": operands rounded to bfloat16, products
+    accumulated in float32, results back in float32 where they leave the op). A weight given in bfloat16 is used as
+    it is (a tuner casts it once for all its calls)."""
     torch = require_torch()
     f = torch.nn.functional
     cast = {"f32": None, "bf16": torch.bfloat16}[linear_dtype]
@@ -48,6 +52,12 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         if cast is None:
             return f.linear(x, w)
         return f.linear(x.to(cast), w.to(cast)).to(torch.float32)
+
+    def narrow(x: Any) -> Any:
+        return x if cast is None else x.to(cast)
+
+    def widen(x: Any) -> Any:
+        return x if cast is None else x.to(torch.float32)
 
     def gelu_tanh(x: Any) -> Any:
         return f.gelu(x, approximate="tanh")
@@ -62,8 +72,8 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
 
     def rmsnorm(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
         x = inputs[0]
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + float(attrs["eps"]))
-        return [y * inputs[1] if len(inputs) > 1 and inputs[1] is not None else y]
+        w = inputs[1] if len(inputs) > 1 else None
+        return [f.rms_norm(x, x.shape[-1:], w, float(attrs["eps"]))]
 
     def layernorm(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
         x = inputs[0]
@@ -132,11 +142,12 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         softcap = float(attrs.get("softcap") or 0.0)
         window = int(attrs.get("window") or 0)
         if mask is None and softcap == 0 and window == 0 and (lq == lk or not causal):
-            out = f.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
-            return [out.transpose(1, 2).reshape(b, lq, hq * d)]
+            out = f.scaled_dot_product_attention(narrow(q), narrow(k), narrow(v), is_causal=causal, scale=scale,
+                                                 enable_gqa=True)
+            return [widen(out).transpose(1, 2).reshape(b, lq, hq * d)]
         group = hq // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = widen(torch.matmul(narrow(q), narrow(k).transpose(-1, -2))) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
         if mask is not None:
@@ -149,14 +160,17 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         scores = scores.masked_fill(hidden, float("-inf"))
         dead = scores.amax(-1, keepdim=True) <= FULLY_MASKED_SCORE  # as the reference: such rows give zeros
         probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
-        return [torch.matmul(probs, v).transpose(1, 2).reshape(b, lq, hq * d)]
+        return [widen(torch.matmul(narrow(probs), narrow(v))).transpose(1, 2).reshape(b, lq, hq * d)]
 
     def mlp(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
         x, wg, wu, wd = inputs
         act = acts.get(str(attrs.get("act", "silu")))
         if act is None:
             raise TopqError(f"top.MLP: act must be one of {', '.join(acts)}, got {attrs.get('act')!r}")
-        return [linear(act(linear(x, wg)) * linear(x, wu), wd)]
+        if cast is None:
+            return [linear(act(linear(x, wg)) * linear(x, wu), wd)]
+        x = x.to(cast)  # once for both projections; the gated product stays in bfloat16 for the down projection
+        return [f.linear(act(f.linear(x, wg.to(cast))) * f.linear(x, wu.to(cast)), wd.to(cast)).to(torch.float32)]
 
     def unary(fn: Callable[[Any], Any]) -> TorchKernel:
         return lambda inputs, attrs: [fn(inputs[0])]

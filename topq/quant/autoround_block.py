@@ -1,8 +1,9 @@
 """AutoRound's block objective (Cheng et al. 2023, and auto-round's default): every linear of a decoder layer tuned
 together on the layer's output.
 
-Each step draws `batch_size` calibration windows (seeded: the same draws every run) and runs them through the
-layer in torch (`topq.ir.torch_kernels`) with every linear at its current quantize-dequantize Ŵ. The loss is
+Each step takes the next `batch_size` calibration windows of a seeded shuffle (`minibatches`: the same draws
+every run, every window about equally often) and runs them through the layer in torch (`topq.ir.torch_kernels`)
+with every linear at its current quantize-dequantize Ŵ (scales rounded as they are stored). The loss is
 ||layer_q(x_q) − layer(x_f)||²: the quantized layer on what the quantized model feeds it against the float layer
 on what the float model feeds it (auto-round's `enable_quanted_input`), so a layer also makes up for the error of
 the layers before it. Its gradient with respect to each Ŵ — through attention, the norms and the MLP — goes through
@@ -60,8 +61,9 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
     """Quantize every linear of `layer` on the layer's output (see the module doc); the float layer's outputs."""
     torch = require_torch()
     fn = TorchFunction(layer.module, layer.name, options["calibration_matmul"])
-    roundings = [Rounding(state.float_weight(n), options["bits"], options["group_size"], options["symmetric"])
-                 for n in layer.linears]
+    scale_dtype = str(options.get("act_dtype", "f32"))  # as `LayerState` stores the scales
+    roundings = [Rounding(state.float_weight(n), options["bits"], options["group_size"], options["symmetric"],
+                          scale_dtype) for n in layer.linears]
     tuned = set(layer.linears)
     others = {n: torch.asarray(state.current_weight(n)) for n in fn.weights if n not in tuned}
     samples, seq_len = layer.inputs.shape[:2]
@@ -70,8 +72,12 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
     def run(x: np.ndarray, weights: Mapping[str, Any]) -> Any:
         return fn([torch.asarray(x), positions], {**others, **weights})[0]
 
+    # the linears in the products' dtype, cast once per step for all shards (bf16 leaves get bf16 gradients: only
+    # their signs, summed in float32, step the parameters)
+    linear_dtype = torch.bfloat16 if options["calibration_matmul"] == "bf16" else torch.float32
+
     def weights_of(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
-        return {n: torch.asarray(a) for n, a in zip(layer.linears, arrays)}
+        return {n: torch.asarray(a).to(linear_dtype) for n, a in zip(layer.linears, arrays)}
 
     def shards(rows: np.ndarray) -> list[np.ndarray]:
         return [rows[a:a + SHARD] for a in range(0, len(rows), SHARD)]
@@ -82,19 +88,22 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
         with torch.no_grad():
             return run(layer.float_inputs[rows], float_weights).numpy()
 
-    def loss_of(rows: np.ndarray, w_hat: Sequence[np.ndarray]) -> float:
+    def loss_of(rows: np.ndarray, weights: Mapping[str, Any]) -> float:
         with torch.no_grad():
-            return float((run(layer.inputs[rows], weights_of(w_hat)) - torch.asarray(targets[rows])).square().sum())
+            return float((run(layer.inputs[rows], weights) - torch.asarray(targets[rows])).square().sum())
 
-    def loss_and_grads(rows: np.ndarray, w_hat: Sequence[np.ndarray]) -> tuple[float, list[np.ndarray]]:
-        leaves = [torch.asarray(w).requires_grad_(True) for w in w_hat]
-        out = run(layer.inputs[rows], dict(zip(layer.linears, leaves)))
+    def loss_and_grads(rows: np.ndarray, w_hat: Mapping[str, Any], last: bool) -> tuple[float, list[np.ndarray]]:
+        if last:  # the last draw only scores the final parameters: no backward pass
+            return loss_of(rows, w_hat), []
+        leaves = {n: w.detach().requires_grad_(True) for n, w in w_hat.items()}
+        out = run(layer.inputs[rows], leaves)
         loss = (out - torch.asarray(targets[rows])).square().sum()
-        return float(loss.detach()), [g.numpy() for g in torch.autograd.grad(loss, leaves)]
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        return float(loss.detach()), [g.to(torch.float32).numpy() for g in grads]
 
     iters, lr = int(options["iters"]), float(options["lr"])
     batch = min(int(options["batch_size"]), samples)
-    draws = np.random.default_rng((SEED, layer.layer))
+    draws = minibatches(samples, batch, (SEED, layer.layer))
     with _one_torch_thread(torch):
         targets = np.concatenate(layer.map(float_outputs, shards(np.arange(samples))))
         best_loss, best = np.inf, [r.params() for r in roundings]
@@ -103,12 +112,13 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
             w_hat = [f.y.reshape(r.shape) for f, r in zip(forwards, roundings)]
             if step == 0:
                 rtn = w_hat  # V = 0, α = β = 1: round-to-nearest, for the report
-            drawn = shards(draws.permutation(samples)[:batch])
-            parts = layer.map(lambda rows, w_hat=w_hat: loss_and_grads(rows, w_hat), drawn)
+            drawn = shards(next(draws))
+            step_weights = weights_of(w_hat)
+            parts = layer.map(lambda rows, w=step_weights, last=step == iters: loss_and_grads(rows, w, last), drawn)
             loss = sum(part[0] for part in parts)
             if loss < best_loss:
                 best_loss, best = loss, [r.params() for r in roundings]
-            if step == iters:  # the last evaluation only scores the final parameters
+            if step == iters:
                 break
             grads = [sum(gs[1:], gs[0]) for gs in zip(*(part[1] for part in parts))]  # in shard order
             lr_now = step_size(lr, step, iters)
@@ -119,11 +129,23 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
             state.set_quantized(name, qw)
         first = np.arange(batch)
         reference = float(np.square(targets[first], dtype=np.float64).sum())
-        rtn_loss = sum(layer.map(lambda rows: loss_of(rows, rtn), shards(first)))
-        tuned_loss = sum(layer.map(lambda rows: loss_of(rows, [state.current_weight(n) for n in layer.linears]),
-                                   shards(first)))
+        rtn_weights = weights_of(rtn)
+        tuned_weights = weights_of([state.current_weight(n) for n in layer.linears])
+        rtn_loss = sum(layer.map(lambda rows: loss_of(rows, rtn_weights), shards(first)))
+        tuned_loss = sum(layer.map(lambda rows: loss_of(rows, tuned_weights), shards(first)))
     _report(state, layer, tuned_loss, rtn_loss, reference)
     return targets
+
+
+def minibatches(samples: int, batch: int, seed: Any) -> Iterator[np.ndarray]:
+    """Endless minibatches of `batch` sample indices, as auto-round's IndexSampler draws them: each epoch a new
+    seeded shuffle of all samples cut into batches (an incomplete last batch is dropped), so every window is seen
+    about equally often."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(samples)
+        for a in range(0, samples - batch + 1, batch):
+            yield order[a:a + batch]
 
 
 def _report(state: LayerState, layer: LayerInputs, tuned: float, rtn: float, reference: float) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from topq.core.quant import QuantizedWeight
+from topq.ir.types import round_to_dtype
 from topq.quant.grid import TINY_SCALE, check_bits, code_range, make_quantized, resolve_group_size
 
 SCALE_BOUNDS = (0.5, 1.0)
@@ -27,17 +28,19 @@ class _Forward:
 
 
 def _forward(w: np.ndarray, wmin: np.ndarray, wmax: np.ndarray, v: np.ndarray, alpha: np.ndarray,
-             beta: np.ndarray, bits: int, symmetric: bool) -> _Forward:
-    """AutoRound's quantize-dequantize of grouped weights w [N, G, gs] (wmin ≤ 0 ≤ wmax per group), in w's dtype."""
+             beta: np.ndarray, bits: int, symmetric: bool, scale_dtype: str = "f32") -> _Forward:
+    """AutoRound's quantize-dequantize of grouped weights w [N, G, gs] (wmin ≤ 0 ≤ wmax per group), in w's dtype,
+    with the scales rounded to `scale_dtype` (the dtype the bundle stores them in) as auto-round does: the rounding
+    is tuned for the scales the model will have."""
     lo, hi = code_range(bits, symmetric)
     a, b = (alpha * wmin)[..., None], (beta * wmax)[..., None]
     if symmetric:
         pick_max = b >= -a
-        scale = np.maximum(np.where(pick_max, b, -a) / hi, TINY_SCALE).astype(w.dtype)
+        scale = _stored(np.maximum(np.where(pick_max, b, -a) / hi, TINY_SCALE), scale_dtype, w.dtype)
         zero = np.zeros_like(scale)
     else:
         pick_max = None
-        scale = np.maximum((b - a) / hi, TINY_SCALE).astype(w.dtype)
+        scale = _stored(np.maximum((b - a) / hi, TINY_SCALE), scale_dtype, w.dtype)
         zero = np.round(-a / scale).astype(w.dtype)
     t = w / scale
     t += v
@@ -47,6 +50,12 @@ def _forward(w: np.ndarray, wmin: np.ndarray, wmax: np.ndarray, v: np.ndarray, a
     np.clip(t, lo, hi, out=t)
     t -= zero  # now codes - zero
     return _Forward(scale * t, t, scale, zero, in_range, pick_max)
+
+
+def _stored(scale: np.ndarray, scale_dtype: str, dtype: np.dtype) -> np.ndarray:
+    """`scale` as stored in `scale_dtype`, in `dtype` (the straight-through estimator takes this rounding as the
+    identity)."""
+    return (scale if scale_dtype == "f32" else round_to_dtype(scale, scale_dtype)).astype(dtype)
 
 
 def _backward(g: np.ndarray, f: _Forward, w: np.ndarray, wmin: np.ndarray, wmax: np.ndarray, alpha: np.ndarray,
@@ -81,8 +90,9 @@ class Rounding:
     (`topq.quant.autoround_block`). float32 throughout: the step is a sign, so precision only matters for
     ranking losses (which the callers sum in float64); the elementwise passes run twice as fast as in float64."""
 
-    def __init__(self, w: np.ndarray, bits: int, group_size: int | None, symmetric: bool) -> None:
-        self.bits, self.symmetric = check_bits(bits), symmetric
+    def __init__(self, w: np.ndarray, bits: int, group_size: int | None, symmetric: bool,
+                 scale_dtype: str = "f32") -> None:
+        self.bits, self.symmetric, self.scale_dtype = check_bits(bits), symmetric, scale_dtype
         self.shape = n, k = np.shape(w)
         self.gs = resolve_group_size(group_size, k)
         self.w = np.asarray(w, dtype=np.float32)
@@ -98,7 +108,8 @@ class Rounding:
         return self.v.copy(), self.alpha.copy(), self.beta.copy()
 
     def forward(self) -> _Forward:
-        return _forward(self.wg, self.wmin, self.wmax, self.v, self.alpha, self.beta, self.bits, self.symmetric)
+        return _forward(self.wg, self.wmin, self.wmax, self.v, self.alpha, self.beta, self.bits, self.symmetric,
+                        self.scale_dtype)
 
     def step(self, grad: np.ndarray, f: _Forward, lr: np.float32, fixed_range: np.ndarray | None = None) -> None:
         """One SignSGD step given grad = ∂loss/∂Ŵ [N, K] (any positive multiple: only its sign is used) at `f`, this
@@ -117,7 +128,7 @@ class Rounding:
         """The weight quantized with `params` (V, α, β), computed in float64."""
         v, alpha, beta = (p.astype(np.float64) for p in params)
         f = _forward(self.wg.astype(np.float64), self.wmin.astype(np.float64), self.wmax.astype(np.float64), v,
-                     alpha, beta, self.bits, self.symmetric)
+                     alpha, beta, self.bits, self.symmetric, self.scale_dtype)
         codes = f.offset + f.zero
         return make_quantized(codes.reshape(self.shape), f.scale[..., 0], f.zero[..., 0], self.bits, self.gs,
                               self.symmetric)

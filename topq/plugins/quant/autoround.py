@@ -3,11 +3,13 @@
 The quantizer (`topq.quant.learned_rounding`): per weight element a rounding offset V ∈ [-0.5, 0.5], per
 row and group range factors α, β ∈ [0.5, 1] on the group's minimum and maximum, trained by SignSGD — step =
 lr · sign(gradient), lr decaying linearly to 0 — with gradients through the rounding by the straight-through
-estimator. Two objectives (`quant.objective`):
+estimator. The scales are tuned as they will be stored, rounded to `quant.act_dtype` at every step (auto-round
+rounds its to float16 the same way). Two objectives (`quant.objective`):
 
-* `block` (the paper's and auto-round's; opt-in until it is fast enough to be the default): every linear of a
+* `block` (the paper's and auto-round's; opt-in: it needs torch, which topq itself does not require, and takes
+  ~1.5× the per-linear objective's time): every linear of a
   decoder layer together, on the layer's output against the float model's, in minibatches of `batch_size`
-  windows (`topq.quant.autoround_block`).
+  windows drawn as auto-round draws them (seeded shuffles of all windows; `topq.quant.autoround_block`).
   Layers with ops the torch kernels do not run (top.MoE, linear attention) use the per-linear objective, and
   their report rows say `objective: linear`.
 * `linear` (the default): each linear on its own calibration output error ||X Wᵀ - X Ŵᵀ||² = Σ_n D_n H D_nᵀ (D = Ŵ - W,
@@ -45,10 +47,11 @@ FIXED_RANGE_KEYS = ("q_proj", "k_proj")
 
 def autoround(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
               iters: int = 200, lr: float | None = None, progress: bool = False,
-              fixed_range: np.ndarray | None = None) -> QuantizedWeight:
+              fixed_range: np.ndarray | None = None, scale_dtype: str = "f32") -> QuantizedWeight:
     """Quantize w [N, K] by tuning rounding offsets and range factors on the output error through H [K, K].
-    Rows where `fixed_range` [N] is true keep the full [min, max] range (α = β = 1): only their rounding is tuned."""
-    rounding = Rounding(w, bits, group_size, symmetric)
+    Rows where `fixed_range` [N] is true keep the full [min, max] range (α = β = 1): only their rounding is tuned.
+    The scales are tuned as they will be stored, rounded to `scale_dtype`."""
+    rounding = Rounding(w, bits, group_size, symmetric, scale_dtype)
     n = rounding.shape[0]
     lr = 1.0 / max(iters, 1) if lr is None else float(lr)
     h32 = np.asarray(h, dtype=np.float32)
@@ -89,7 +92,8 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
         # set here, on whichever thread runs the chunk: the loop's threads do not inherit the caller's choice
         with products(options["calibration_matmul"]):
             return autoround(w[a:a + ROW_CHUNK], h, options["bits"], options["group_size"], options["symmetric"],
-                             iters=options["iters"], lr=options["lr"], fixed_range=fixed[a:a + ROW_CHUNK])
+                             iters=options["iters"], lr=options["lr"], fixed_range=fixed[a:a + ROW_CHUNK],
+                             scale_dtype=str(options.get("act_dtype", "f32")))
 
     qw = stack_rows(group.map(solve_rows, starts))
     state.set_quantized_rows(group.names, qw)

@@ -380,6 +380,11 @@ def test_autoround_tunes_the_scales_it_stores(problem: Any, symmetric: bool) -> 
     np.testing.assert_allclose(stored, f.y.reshape(w.shape), rtol=0, atol=1e-6)
     # float32 scales are not rounded: another result
     assert not np.array_equal(autoround(w, h, 4, 32, symmetric, iters=30).scales, tuned.scales)
+    # f16: a group of zeros (scale below f16's range) stays finite and dequantizes to zeros
+    zeroed = w.copy()
+    zeroed[0, :32] = 0.0
+    q = autoround(zeroed, h, 4, 32, symmetric, iters=5, scale_dtype="f16")
+    assert np.isfinite(q.dequantize()).all() and not q.dequantize()[0, :32].any()
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16"])

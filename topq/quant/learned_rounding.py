@@ -54,8 +54,10 @@ def _forward(w: np.ndarray, wmin: np.ndarray, wmax: np.ndarray, v: np.ndarray, a
 
 def _stored(scale: np.ndarray, scale_dtype: str, dtype: np.dtype) -> np.ndarray:
     """`scale` as stored in `scale_dtype`, in `dtype` (the straight-through estimator takes this rounding as the
-    identity)."""
-    return (scale if scale_dtype == "f32" else round_to_dtype(scale, scale_dtype)).astype(dtype)
+    identity). Kept ≥ TINY_SCALE: an all-zero group's scale rounds to 0 in f16, and its codes would divide by it."""
+    if scale_dtype != "f32":
+        scale = np.maximum(round_to_dtype(scale, scale_dtype), TINY_SCALE)
+    return scale.astype(dtype)
 
 
 def _backward(g: np.ndarray, f: _Forward, w: np.ndarray, wmin: np.ndarray, wmax: np.ndarray, alpha: np.ndarray,

@@ -367,7 +367,8 @@ def test_autoround_fixed_range_rows_tune_only_their_rounding(problem: Any) -> No
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_autoround_tunes_the_scales_it_stores(problem: Any, symmetric: bool) -> None:
     """With scale_dtype bf16 every step quantizes with bf16-rounded scales, so the weight the tuning scored is the
-    weight the bundle stores: the result's scales are bf16 values and its dequantization is the last forward's Ŵ."""
+    weight the bundle stores: the result's scales are bf16 values, and quantizing with any parameters stores the Ŵ
+    their forward scored."""
     w, _, h = problem
     tuned = autoround(w, h, 4, 32, symmetric, iters=30, scale_dtype="bf16")
     np.testing.assert_array_equal(tuned.scales, round_to_dtype(tuned.scales, "bf16"))

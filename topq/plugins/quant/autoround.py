@@ -7,7 +7,7 @@ estimator. The scales are tuned as they will be stored, rounded to `quant.act_dt
 rounds its to float16 the same way). Two objectives (`quant.objective`):
 
 * `block` (the paper's and auto-round's; opt-in: it needs torch, which topq itself does not require, and takes
-  ~1.5× the per-linear objective's time): every linear of a
+  1.2–1.5× the per-linear objective's time): every linear of a
   decoder layer together, on the layer's output against the float model's, in minibatches of `batch_size`
   windows drawn as auto-round draws them (seeded shuffles of all windows; `topq.quant.autoround_block`).
   Layers with ops the torch kernels do not run (top.MoE, linear attention) use the per-linear objective, and

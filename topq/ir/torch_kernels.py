@@ -48,16 +48,14 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
     f = torch.nn.functional
     cast = {"f32": None, "bf16": torch.bfloat16}[linear_dtype]
 
-    def linear(x: Any, w: Any) -> Any:
-        if cast is None:
-            return f.linear(x, w)
-        return f.linear(x.to(cast), w.to(cast)).to(torch.float32)
-
     def narrow(x: Any) -> Any:
         return x if cast is None else x.to(cast)
 
     def widen(x: Any) -> Any:
         return x if cast is None else x.to(torch.float32)
+
+    def linear(x: Any, w: Any) -> Any:
+        return widen(f.linear(narrow(x), narrow(w)))
 
     def gelu_tanh(x: Any) -> Any:
         return f.gelu(x, approximate="tanh")
@@ -167,10 +165,8 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         act = acts.get(str(attrs.get("act", "silu")))
         if act is None:
             raise TopqError(f"top.MLP: act must be one of {', '.join(acts)}, got {attrs.get('act')!r}")
-        if cast is None:
-            return [linear(act(linear(x, wg)) * linear(x, wu), wd)]
-        x = x.to(cast)  # once for both projections; the gated product stays in bfloat16 for the down projection
-        return [f.linear(act(f.linear(x, wg.to(cast))) * f.linear(x, wu.to(cast)), wd.to(cast)).to(torch.float32)]
+        x = narrow(x)  # once for both projections; the gated product stays narrow for the down projection
+        return [widen(f.linear(act(f.linear(x, narrow(wg))) * f.linear(x, narrow(wu)), narrow(wd)))]
 
     def unary(fn: Callable[[Any], Any]) -> TorchKernel:
         return lambda inputs, attrs: [fn(inputs[0])]

@@ -61,9 +61,8 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
     """Quantize every linear of `layer` on the layer's output (see the module doc); the float layer's outputs."""
     torch = require_torch()
     fn = TorchFunction(layer.module, layer.name, options["calibration_matmul"])
-    scale_dtype = str(options.get("act_dtype", "f32"))  # as `LayerState` stores the scales
     roundings = [Rounding(state.float_weight(n), options["bits"], options["group_size"], options["symmetric"],
-                          scale_dtype) for n in layer.linears]
+                          state.scale_dtype) for n in layer.linears]  # the scales as `state` stores them
     tuned = set(layer.linears)
     others = {n: torch.asarray(state.current_weight(n)) for n in fn.weights if n not in tuned}
     samples, seq_len = layer.inputs.shape[:2]

@@ -93,7 +93,7 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
         with products(options["calibration_matmul"]):
             return autoround(w[a:a + ROW_CHUNK], h, options["bits"], options["group_size"], options["symmetric"],
                              iters=options["iters"], lr=options["lr"], fixed_range=fixed[a:a + ROW_CHUNK],
-                             scale_dtype=str(options.get("act_dtype", "f32")))
+                             scale_dtype=state.scale_dtype)
 
     qw = stack_rows(group.map(solve_rows, starts))
     state.set_quantized_rows(group.names, qw)

@@ -122,8 +122,9 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         rotated, rest = x[..., :r], x[..., r:]  # partial rotary: the tail passes through
         if attrs.get("mode", "contiguous_halves") == "contiguous_halves":
             h = r // 2
-            x1, x2 = rotated[..., :h], rotated[..., h:]
-            out = torch.cat([x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:]], dim=-1)
+            # x·cos + (−x2, x1)·sin: the reference's products and sums (x1 c − x2 s, x2 c + x1 s), bit for bit,
+            # in fewer passes over x forward and backward
+            out = rotated * c + torch.cat([-rotated[..., h:], rotated[..., :h]], dim=-1) * s
         else:
             xe, xo = rotated[..., 0::2], rotated[..., 1::2]
             out = torch.stack([xe * c[..., 0::2] - xo * s[..., 0::2], xo * c[..., 1::2] + xe * s[..., 1::2]],

@@ -95,10 +95,11 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
         if last:  # the last draw only scores the final parameters: no backward pass
             return loss_of(rows, w_hat), []
         leaves = {n: w.detach().requires_grad_(True) for n, w in w_hat.items()}
-        out = run(layer.inputs[rows], leaves)
-        loss = (out - torch.asarray(targets[rows])).square().sum()
-        grads = torch.autograd.grad(loss, list(leaves.values()))
-        return float(loss.detach()), [g.to(torch.float32).numpy() for g in grads]
+        diff = run(layer.inputs[rows], leaves) - torch.asarray(targets[rows])
+        error = diff.detach()
+        # d loss / d out = 2 (out − target), given as it is: the same bits as autograd's square and sum backward
+        grads = torch.autograd.grad(diff, list(leaves.values()), grad_outputs=2 * error)
+        return float(error.square().sum()), [g.to(torch.float32).numpy() for g in grads]
 
     iters, lr = int(options["iters"]), float(options["lr"])
     batch = min(int(options["batch_size"]), samples)

@@ -44,6 +44,7 @@ import numpy as np
 from topq.core.calibration_result import CalibrationResult, load_calibration, save_calibration
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
+from topq.core.memory import keep_freed_memory
 from topq.core.progress import progress_bar
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
 from topq.core.stages import rope_weights
@@ -881,6 +882,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     hidden states beside the quantized model's: the tuner returns them for its layers, and a layer it does not
     cover computes them with its float weights (one more pass over the samples)."""
     executor = executor if executor is not None else InlineExecutor()
+    keep_freed_memory()  # every layer allocates the same large temporaries again (forked workers inherit it)
     windows = np.asarray(windows, dtype=np.int32)
     samples, seq_len = windows.shape
     spec, family = model.spec, model.family

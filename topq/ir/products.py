@@ -30,7 +30,7 @@ import numpy as np
 
 from topq.ir.errors import TopqError
 
-__all__ = ["KINDS", "check_kind", "linear", "matmul", "products", "torch_threads"]
+__all__ = ["KINDS", "check_kind", "linear", "matmul", "products", "torch_thread_count", "torch_threads"]
 
 Product = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -95,12 +95,19 @@ def products(kind: str) -> Iterator[None]:
 @contextmanager
 def torch_threads(kind: str, count: int) -> Iterator[None]:
     """For bf16 products, torch's intra-op threads set to `count` for the block (the calibration tasks are the
-    parallel part, as for BLAS: `topq.ir.threads`), then restored; nothing for float32 products. The setting is
-    the process's: the thread that owns the task threads sets it, and a task's own call is then a no-op (in a
-    worker process it sets the worker's)."""
+    parallel part, as for BLAS: `topq.ir.threads`); nothing for float32 products (torch may be absent)."""
     if kind != "bf16":
         yield
         return
+    with torch_thread_count(count):
+        yield
+
+
+@contextmanager
+def torch_thread_count(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` for the block, then restored. The setting is the process's: the
+    thread that owns the task threads sets it, and a task's own call is then a no-op (in a worker process it sets
+    the worker's)."""
     torch = _torch()
     before = torch.get_num_threads()
     if before != count:

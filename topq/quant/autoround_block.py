@@ -25,12 +25,12 @@ The report rows of a tuned layer give the layer's relative output error (not eac
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from topq.ir.graph import Function
+from topq.ir.products import torch_thread_count
 from topq.ir.torch_kernels import TorchFunction, require_torch, uncovered_ops
 from topq.quant.calibration import LayerInputs, LayerState, LayerTuner
 from topq.quant.learned_rounding import Rounding, step_size
@@ -44,17 +44,6 @@ SEED = 42
 def covers(function: Function, options: Mapping[str, Any]) -> bool:
     """The block objective is chosen and torch runs every op of the layer (else: the per-linear objective)."""
     return options["objective"] == "block" and not uncovered_ops(function)
-
-
-@contextmanager
-def _one_torch_thread(torch: Any) -> Iterator[None]:
-    """The shards are the parallel part: each runs torch on the thread that runs it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> np.ndarray:
@@ -104,7 +93,7 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
     iters, lr = int(options["iters"]), float(options["lr"])
     batch = min(int(options["batch_size"]), samples)
     draws = minibatches(samples, batch, (SEED, layer.layer))
-    with _one_torch_thread(torch):
+    with torch_thread_count(1):  # the shards are the parallel part: each runs torch on the thread that runs it
         targets = np.concatenate(layer.map(float_outputs, shards(np.arange(samples))))
         best_loss, best = np.inf, [r.params() for r in roundings]
         for step in range(iters + 1):

@@ -515,13 +515,19 @@ _CRAFTED = [  # (name, edit of the document, fragment)
     ("program_garbage", lambda m: _set(m, "program", "module { nonsense"), "program"),
 ]
 
+
+def _change_meta_checksum(data: bytearray) -> None:
+    """One hex digit of the stored metadata checksum changed (to another digit: "0" would be a no-op 1 time in 16)."""
+    at = data.find(b"topq.meta_sha256") + 19
+    data[at:at + 1] = b"1" if data[at:at + 1] == b"0" else b"0"
+
+
 BUNDLE_CASES = [
     Case(f"bundle_crafted_{name}", run_bundle(lambda ws, e=edit: ws.crafted(e)), fragment)
     for name, edit, fragment in _CRAFTED
 ] + [
     Case("bundle_meta_not_json", run_bundle(lambda ws: ws.crafted(lambda m: None, raw="{x")), "not JSON"),
-    Case("bundle_meta_checksum", run_bundle(lambda ws: ws.bundle_bytes(lambda d: d.__setitem__(
-        slice(d.find(b"topq.meta_sha256") + 19, d.find(b"topq.meta_sha256") + 20), b"0"))),
+    Case("bundle_meta_checksum", run_bundle(lambda ws: ws.bundle_bytes(_change_meta_checksum)),
          "metadata checksum mismatch"),
     Case("bundle_flipped_tensor_byte", run_bundle(lambda ws: ws.bundle_bytes(_flip(7))), "checksum mismatch"),
     Case("bundle_truncated", run_bundle(lambda ws: ws.bundle_bytes(lambda d: d.__delitem__(slice(-100, None)))),
@@ -599,6 +605,7 @@ COMMAND_CASES = [
     Case("unknown_command", lambda ws: ["convrt"], "convrt"),
     Case("export_unknown_kind", lambda ws: ["export", "nope", ws.bundle, ws.root / "exp"], "nope"),
 ]
+
 
 CASES = RECIPE_CASES + SET_CASES + CONFIG_CASES + TENSOR_CASES + GGUF_CASES + BUNDLE_CASES + COMMAND_CASES
 

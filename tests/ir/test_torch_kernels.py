@@ -69,3 +69,18 @@ def test_layers_with_other_ops_are_refused(loaded_tiny: Any) -> None:
     assert uncovered_ops(module["block_0"]) == ["top.MoE"]
     with pytest.raises(TopqError, match="the torch kernels do not run top.MoE"):
         TorchFunction(module, "block_0")
+
+
+@pytest.mark.parametrize("mode", ["contiguous_halves", "interleaved_pairs"])
+@pytest.mark.parametrize("rotary", [16, 8])  # full and partial rotary
+def test_rope_is_the_reference_bit_for_bit(mode: str, rotary: int) -> None:
+    from topq.ir.reference_ops import REFERENCE_OPS
+    from topq.ir.torch_kernels import torch_kernels
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 12, 3, 16)).astype(np.float32)
+    cos, sin = (rng.standard_normal((1, 12, rotary)).astype(np.float32) for _ in range(2))
+    attrs = {"mode": mode}
+    want = REFERENCE_OPS["top.Rope"]([x, cos, sin], attrs)[0]
+    got = torch_kernels()["top.Rope"]([torch.from_numpy(a) for a in (x, cos, sin)], attrs)[0]
+    np.testing.assert_array_equal(got.numpy(), want)

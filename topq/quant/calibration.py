@@ -44,7 +44,6 @@ import numpy as np
 from topq.core.calibration_result import CalibrationResult, load_calibration, save_calibration
 from topq.core.errors import TopqError
 from topq.core.executors import InlineExecutor, TaskExecutor, resolve
-from topq.core.memory import keep_freed_memory
 from topq.core.progress import progress_bar
 from topq.core.quant import Option, QuantizedWeight, QuantScheme, SchemeProduct
 from topq.core.stages import rope_weights
@@ -62,6 +61,7 @@ from topq.quant.grid import (
     quantize_groups,
     resolve_group_size,
 )
+from topq.quant.memory import keep_freed_memory
 from topq.quant.options import (
     ACT_DTYPE,
     CALIBRATION_MATMUL,

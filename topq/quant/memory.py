@@ -3,11 +3,11 @@ again (the calibration layer loop: activations of [batch, L, H], torch's forward
 
 glibc serves a block above its mmap threshold (128 KiB at first, raised dynamically up to 32 MiB) with a fresh
 mmap and gives it back to the kernel when it is freed; each new block then page-faults on every 4 KiB page it
-touches, which under a hypervisor costs more than the arithmetic: on a KVM guest, one AutoRound block step
-(4 × 512 tokens of SmolLM2, forward and backward) spent 274 ms with the defaults and 235 ms with freed blocks
-kept, its elementwise products 5–10× slower than the same products timed alone (docs/speed.md). Keeping freed
-memory in the heap lets the next step reuse pages already mapped. Peak RSS is what the largest step holds either
-way; the heap just does not shrink back between steps.
+touches, which under a hypervisor can cost more than the arithmetic. On a KVM guest, one AutoRound block step
+(4 × 512 tokens of SmolLM2, forward and backward, run alone) took 274 ms with the defaults and 235 ms with freed
+blocks kept; its gated multiply had taken 19 ms against 0.6 ms timed alone. In a whole calibration run the gain was
+within noise, probably because glibc's dynamic threshold already keeps most such blocks there (docs/speed.md, tenth
+round). Peak RSS is what the largest step holds either way; the heap just does not shrink back between steps.
 
 Numerics are untouched (only where buffers live changes). A process-wide setting (glibc has no per-thread or
 scoped form), applied once; elsewhere than glibc it does nothing.

@@ -11,7 +11,7 @@ import sys
 PROGRAM = """
 import json, resource, sys
 import numpy as np
-from topq.core.memory import keep_freed_memory
+from topq.quant.memory import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "keep" else None
 def round_():
     arrays = [np.ones(4 << 20, dtype=np.float32) for _ in range(3)]
@@ -38,6 +38,6 @@ def test_freed_blocks_are_reused_not_faulted_in_again() -> None:
 
 
 def test_it_is_applied_once() -> None:
-    from topq.core.memory import keep_freed_memory
+    from topq.quant.memory import keep_freed_memory
 
     assert keep_freed_memory() is keep_freed_memory()

@@ -259,6 +259,30 @@ def test_int8_matmul_is_exact_beyond_float32s_integer_range() -> None:
         assert exact.dtype == np.int64 and np.array_equal(exact, want), k
 
 
+def test_the_scheme_interpreters_are_freed_without_the_cyclic_gc(tiny: dict[str, Any]) -> None:
+    """The observing and error-report interpreters hold a whole float model's weights: they must go when their
+    last reference does. A bound method of their own as the interpreter's tap made a reference cycle, and the
+    observation pass's weights (~460 MB at SmolLM2) lived on through the mixed-precision search."""
+    import gc
+    import weakref
+
+    from topq.core.pipeline import load_model
+    from topq.plugins.quant.int8 import _ErrorInterpreter, _ObserveInterpreter
+
+    module = load_model(recipe_for(tiny, "int8")).module
+    gc.disable()
+    try:
+        makers = (lambda: _ObserveInterpreter(module, lambda n: np.zeros(1), {}, {}, {}),
+                  lambda: _ErrorInterpreter(module, lambda n: np.zeros(1), {}, lambda n, x: x))
+        for make in makers:
+            interp = make()
+            ref = weakref.ref(interp)
+            del interp
+            assert ref() is None, type(ref()).__name__
+    finally:
+        gc.enable()
+
+
 def test_right_shift_round_is_tpu_mlirs_formula() -> None:
     """`(v >> s) + ((v & (2^s − 1)) ≥ 2^(s−1))` for s > 0, v for s = 0, v << −s for s < 0, per channel."""
     rng = np.random.default_rng(10)

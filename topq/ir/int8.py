@@ -166,13 +166,17 @@ def int8_matmul(qx: np.ndarray, codes: np.ndarray, dtype: type[np.generic] = np.
 
     float32 GEMMs over K chunks of at most EXACT_F32_TERMS columns: every partial sum is then an integer of
     magnitude ≤ 2^24, which float32 holds exactly, whatever order the BLAS adds in; the chunks add in `dtype`. The
-    same integers as a float64 GEMM, at float32 speed and without a float64 copy of the codes."""
+    same integers as a float64 GEMM, at float32 speed and without a float64 copy of the codes. int8 codes are
+    converted one chunk at a time (callers keep them int8: a quarter of the memory)."""
     a = np.asarray(qx, dtype=F32)
-    b = np.asarray(codes, dtype=F32)
     k = a.shape[1]
-    acc = (a[:, :EXACT_F32_TERMS] @ b[:, :EXACT_F32_TERMS].T).astype(dtype)
+
+    def chunk(start: int) -> np.ndarray:  # codes[:, start:start + EXACT_F32_TERMS] as float32 (a view if they are)
+        return np.asarray(codes[:, start:start + EXACT_F32_TERMS], dtype=F32)
+
+    acc = (a[:, :EXACT_F32_TERMS] @ chunk(0).T).astype(dtype)
     for start in range(EXACT_F32_TERMS, k, EXACT_F32_TERMS):
-        np.add(acc, a[:, start:start + EXACT_F32_TERMS] @ b[:, start:start + EXACT_F32_TERMS].T, out=acc,
+        np.add(acc, a[:, start:start + EXACT_F32_TERMS] @ chunk(start).T, out=acc,
                casting="unsafe")  # into int64: the float32 partial sums are integers
     return acc
 

@@ -10,7 +10,9 @@ To *observe* execution without changing it (calibration statistics, activation o
 reports), pass a `tap`: `run` calls `tap(step, inputs, outputs)` after every op of the plan (every op
 but `top.Weight`, whose values are the plan's constants), with the op's operand values and its results.
 A tap must not modify them. It may raise to stop the run early (calibration stops once it has seen the
-input it wants). `Interpreter.tap` is an attribute, so one interpreter can be re-tapped between runs.
+input it wants). `Interpreter.tap` is an attribute, so one interpreter can be re-tapped between runs. A
+subclass observes in `run_op` instead of passing a bound method of its own: that tap would be a reference
+cycle, and the interpreter's weights would outlive it until the cyclic garbage collector runs.
 """
 
 from __future__ import annotations

@@ -110,3 +110,5 @@ def test_token_nll_matches_torch_cross_entropy_on_a_49k_vocabulary() -> None:
     want = float(torch.nn.functional.cross_entropy(torch.from_numpy(logits).double(), torch.from_numpy(targets),
                                                    reduction="sum"))
     assert abs(token_nll(logits, targets) - want) < 1e-6 * len(targets)
+    # the work buffer may be the caller's logits (int8's search): the same value to the last bit
+    assert token_nll(logits.copy(), targets, overwrite=True) == token_nll(logits, targets)

@@ -195,7 +195,9 @@ class _ObserveInterpreter(Interpreter):
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
                  observers: dict[str, Observer], inv_smooth: Mapping[str, np.ndarray]) -> None:
-        super().__init__(module, weights, tap=self._observe)
+        # observes in run_op, not as a tap: a bound method in self.tap is a reference cycle, which kept the
+        # interpreter's float weights (~460 MB at SmolLM2) alive through the search until the cyclic GC ran
+        super().__init__(module, weights)
         self.at_op, self.observers, self.inv_smooth = at_op, observers, inv_smooth
 
     def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -203,13 +205,16 @@ class _ObserveInterpreter(Interpreter):
         (`mlp_hidden` then `mlp_down`, of which the op's own kernel is made: the same bits)."""
         site = next((s for s in self.at_op.get(id(step.op), ()) if s.kind == MLP_HIDDEN), None)
         if site is None:
-            return step.kernel(inputs, step.attrs)
-        x, wg, wu, wd = (np.asarray(a, dtype=np.float32) for a in inputs)
-        gate, up, act = mlp_hidden(x, wg, wu, str(step.attrs.get("act", "silu")))
-        self._observe_output(step.op.operands[1], gate)
-        self._observe_output(step.op.operands[2], up)
-        self._observe_site(site, act)
-        return [mlp_down(act, wd).reshape(x.shape)]
+            outputs = step.kernel(inputs, step.attrs)
+        else:
+            x, wg, wu, wd = (np.asarray(a, dtype=np.float32) for a in inputs)
+            gate, up, act = mlp_hidden(x, wg, wu, str(step.attrs.get("act", "silu")))
+            self._observe_output(step.op.operands[1], gate)
+            self._observe_output(step.op.operands[2], up)
+            self._observe_site(site, act)
+            outputs = [mlp_down(act, wd).reshape(x.shape)]
+        self._observe(step, inputs, outputs)
+        return outputs
 
     def _observe(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):
@@ -581,8 +586,9 @@ def _one_copy(load: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
 
 
 def _codes_of(values: Mapping[str, QuantizedWeight]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """What `top.MatMulInt8` takes per linear: its codes as float32 and its scales [N]."""
-    return {n: (q.codes.astype(np.float32), q.scales[:, 0]) for n, q in values.items()}
+    """What `top.MatMulInt8` takes per linear: its int8 codes (the values' own; `int8_matmul` converts a chunk at
+    a time, so the search holds no float32 copy of every code) and its scales [N]."""
+    return {n: (q.codes, q.scales[:, 0]) for n, q in values.items()}
 
 
 # The mixed-precision search's held-out windows: a quarter of the calibration windows, at most HELD_OUT_TOKENS
@@ -649,8 +655,8 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
         local.interp.bf16 = bf16
         return local.interp
 
-    head = host(family.global_weights["embed" if spec.tie_word_embeddings else "lm_head"])
-    norm = host(family.global_weights["final_norm"])
+    head = shared(family.global_weights["embed" if spec.tie_word_embeddings else "lm_head"])  # tied: one copy
+    norm = shared(family.global_weights["final_norm"])
     positions = np.arange(cm.seq_len, dtype=np.int32)[None]
     names = list(plan.modes)
     layer_of = _layers_of(module, spec.num_layers)
@@ -666,7 +672,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
                 keep[i] = h
             h = interp.run(f"block_{i}", [h, positions])[0]
         h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
-        return token_nll(h[0, :-1] @ head.T, w[1:])
+        return token_nll(h[0, :-1] @ head.T, w[1:], overwrite=True)  # the logits are this call's own
 
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="topq-int8")
 
@@ -774,9 +780,14 @@ class _ErrorInterpreter(Interpreter):
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
                  quantized: Callable[[str, np.ndarray], np.ndarray]) -> None:
-        super().__init__(module, weights, tap=self._measure)
+        super().__init__(module, weights)  # measures in run_op: a bound-method tap would be a reference cycle
         self.at_op, self.quantized = at_op, quantized
         self.sums: dict[str, list[float]] = {}  # name → [||Y - Ŷ||², ||Y||²]
+
+    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        outputs = step.kernel(inputs, step.attrs)
+        self._measure(step, inputs, outputs)
+        return outputs
 
     def _measure(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):
@@ -813,7 +824,7 @@ def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: n
                 w_eff = _effective(store.get, name, plan.smooth, cm.sites)
                 forms[name] = (round_to_dtype(w_eff, SCALE_DTYPE),)
             else:
-                forms[name] = (values[name].codes.astype(np.float32), values[name].scales[:, 0])
+                forms[name] = (values[name].codes, values[name].scales[:, 0])  # int8: `int8_matmul` converts
         if plan.modes[name] == "bf16":
             return (x_s @ forms[name][0].T).astype(np.float64)
         q, scale = forms[name]

@@ -74,6 +74,35 @@ def test_a_tap_can_stop_the_run() -> None:
     assert names[-1] == "top.FAttention" and "top.MLP" not in names
 
 
+def test_a_subclass_tapping_with_its_own_method_is_freed_without_the_cyclic_gc() -> None:
+    """`self.tap = self.method` must not be a reference cycle: an interpreter holds a model's weights, and the int8
+    scheme's observation pass (~460 MB at SmolLM2) outlived it through the mixed-precision search that way."""
+    import gc
+    import weakref
+
+    module, weights = tiny_llama()
+
+    class Counting(Interpreter):
+        def __init__(self) -> None:
+            super().__init__(module, weights.__getitem__, tap=self.count)
+            self.ops = 0
+
+        def count(self, step: Step, ins: list[np.ndarray], outs: list[np.ndarray]) -> None:
+            self.ops += 1
+
+    gc.disable()
+    try:
+        interp = Counting()
+        interp.run("block_0", [np.zeros((1, 8, 32), np.float32), np.arange(8, dtype=np.int32)[None]])
+        assert interp.ops == sum(op.name != "top.Weight" for op in module["block_0"].ops)  # it still taps
+        assert interp.tap == interp.count  # and reads back bound
+        ref = weakref.ref(interp)
+        del interp
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
 def test_mlp_hidden_is_what_the_down_projection_reads(act: str) -> None:
     rng = np.random.default_rng(2)

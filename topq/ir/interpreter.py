@@ -10,9 +10,10 @@ To *observe* execution without changing it (calibration statistics, activation o
 reports), pass a `tap`: `run` calls `tap(step, inputs, outputs)` after every op of the plan (every op
 but `top.Weight`, whose values are the plan's constants), with the op's operand values and its results.
 A tap must not modify them. It may raise to stop the run early (calibration stops once it has seen the
-input it wants). `Interpreter.tap` is an attribute, so one interpreter can be re-tapped between runs. A
-subclass observes in `run_op` instead of passing a bound method of its own: that tap would be a reference
-cycle, and the interpreter's weights would outlive it until the cyclic garbage collector runs.
+input it wants). `Interpreter.tap` is a property, so one interpreter can be re-tapped between runs; a subclass
+may tap with a method of its own (`self.tap = self._observe`), which is kept as its function: a bound method
+there would be a reference cycle, and the interpreter's weights would outlive it until the cyclic garbage
+collector runs.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ class Interpreter:
         self.tap = tap
         self._plans: dict[str, Plan] = {}
         self._weight_cache: dict[str, np.ndarray] = {}
+
+    @property
+    def tap(self) -> Tap | None:
+        tap, own = self._tap
+        return tap.__get__(self) if own else tap
+
+    @tap.setter
+    def tap(self, tap: Tap | None) -> None:
+        own = getattr(tap, "__self__", None) is self  # this interpreter's method: kept unbound (see the module doc)
+        self._tap: tuple[Any, bool] = (tap.__func__ if own else tap, own)  # type: ignore[union-attr]
 
     # -- extension points ------------------------------------------------------------------------
     def load_weight(self, op: Operation) -> np.ndarray:

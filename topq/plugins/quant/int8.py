@@ -195,9 +195,7 @@ class _ObserveInterpreter(Interpreter):
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
                  observers: dict[str, Observer], inv_smooth: Mapping[str, np.ndarray]) -> None:
-        # observes in run_op, not as a tap: a bound method in self.tap is a reference cycle, which kept the
-        # interpreter's float weights (~460 MB at SmolLM2) alive through the search until the cyclic GC ran
-        super().__init__(module, weights)
+        super().__init__(module, weights, tap=self._observe)
         self.at_op, self.observers, self.inv_smooth = at_op, observers, inv_smooth
 
     def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -205,16 +203,13 @@ class _ObserveInterpreter(Interpreter):
         (`mlp_hidden` then `mlp_down`, of which the op's own kernel is made: the same bits)."""
         site = next((s for s in self.at_op.get(id(step.op), ()) if s.kind == MLP_HIDDEN), None)
         if site is None:
-            outputs = step.kernel(inputs, step.attrs)
-        else:
-            x, wg, wu, wd = (np.asarray(a, dtype=np.float32) for a in inputs)
-            gate, up, act = mlp_hidden(x, wg, wu, str(step.attrs.get("act", "silu")))
-            self._observe_output(step.op.operands[1], gate)
-            self._observe_output(step.op.operands[2], up)
-            self._observe_site(site, act)
-            outputs = [mlp_down(act, wd).reshape(x.shape)]
-        self._observe(step, inputs, outputs)
-        return outputs
+            return step.kernel(inputs, step.attrs)
+        x, wg, wu, wd = (np.asarray(a, dtype=np.float32) for a in inputs)
+        gate, up, act = mlp_hidden(x, wg, wu, str(step.attrs.get("act", "silu")))
+        self._observe_output(step.op.operands[1], gate)
+        self._observe_output(step.op.operands[2], up)
+        self._observe_site(site, act)
+        return [mlp_down(act, wd).reshape(x.shape)]
 
     def _observe(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):
@@ -780,14 +775,9 @@ class _ErrorInterpreter(Interpreter):
 
     def __init__(self, module: Module, weights: Callable[[str], np.ndarray], at_op: dict[int, list[Site]],
                  quantized: Callable[[str, np.ndarray], np.ndarray]) -> None:
-        super().__init__(module, weights)  # measures in run_op: a bound-method tap would be a reference cycle
+        super().__init__(module, weights, tap=self._measure)
         self.at_op, self.quantized = at_op, quantized
         self.sums: dict[str, list[float]] = {}  # name → [||Y - Ŷ||², ||Y||²]
-
-    def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        outputs = step.kernel(inputs, step.attrs)
-        self._measure(step, inputs, outputs)
-        return outputs
 
     def _measure(self, step: Step, inputs: list[np.ndarray], outputs: list[np.ndarray]) -> None:
         for site in self.at_op.get(id(step.op), ()):

@@ -283,6 +283,78 @@ def test_the_scheme_interpreters_are_freed_without_the_cyclic_gc(tiny: dict[str,
         gc.enable()
 
 
+def test_the_error_report_holds_one_layers_float_weights_at_a_time(tiny: dict[str, Any]) -> None:
+    """The error report runs every window through one layer, then the next: when it reads a layer's weights, no
+    other layer's are alive (they go with the layer's interpreters, without the cyclic GC). Its rows are those of
+    the conversion, and the same on two threads."""
+    import gc
+    import re
+    import weakref
+
+    from topq.core.pipeline import load_model
+    from topq.plugins.quant.int8 import Int8Plan, _linear_names, calibrate, error_report
+    from topq.quant.calibration import calibration_windows
+
+    recipe = recipe_for(tiny, "int8", name="report_by_layer")
+    model = load_model(recipe)
+    linears = _linear_names(model)
+    result = calibrate(model, recipe)
+    plan = Int8Plan.from_yaml(result.state["int8_table"], "test")
+    store = model.checkpoint.weights
+
+    class Tracked:  # the store, counting the layers whose weights it handed out and that are still alive
+        def __init__(self) -> None:
+            self.alive: dict[int, int] = {}  # id(array) → layer
+            self.most, self.read = 0, set()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def get(self, name: str) -> np.ndarray:
+            array = np.array(store.get(name))
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer:
+                self.alive[id(array)] = int(layer[1])
+                weakref.finalize(array, self.alive.pop, id(array))
+                self.read.add(int(layer[1]))
+                self.most = max(self.most, len(set(self.alive.values())))
+            return array
+
+    windows = calibration_windows(model, recipe)
+    for jobs in (1, 2):
+        tracked = model.checkpoint.weights = Tracked()
+        gc.disable()
+        try:
+            rows = error_report(model, plan, linears, windows, False, result, jobs)
+        finally:
+            gc.enable()
+        assert tracked.read == set(range(model.spec.num_layers)) and model.spec.num_layers >= 2
+        assert tracked.most == 1, tracked.most
+        assert rows == result.report
+
+
+def test_the_search_holds_its_bf16_linears_in_bf16(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mixed-precision search keeps each linear it runs in bf16 as a bf16 array (half of float32's memory, 200 MB
+    at SmolLM2), widened exactly per product."""
+    import ml_dtypes
+
+    from topq.core.pipeline import convert
+    from topq.plugins.quant import int8
+
+    held: list[dict[str, np.ndarray]] = []
+    init = int8._MixedInterpreter.__init__
+
+    def spy(self: Any, module: Any, weights: Any, codes: Any, floats: dict[str, np.ndarray]) -> None:
+        held.append(floats)
+        init(self, module, weights, codes, floats)
+
+    monkeypatch.setattr(int8._MixedInterpreter, "__init__", spy)
+    convert(recipe_for(tiny, "int8", name="mixed-bf16", table=str(tiny["root"] / "mixed-bf16.yaml"), budget=1.0,
+                       calibration={"samples": 8}), progress=False)
+    floats = held[0]
+    assert len(floats) == 14 and all(w.dtype == ml_dtypes.bfloat16 for w in floats.values())
+
+
 def test_right_shift_round_is_tpu_mlirs_formula() -> None:
     """`(v >> s) + ((v & (2^s − 1)) ≥ 2^(s−1))` for s > 0, v for s = 0, v << −s for s < 0, per channel."""
     rng = np.random.default_rng(10)

@@ -55,7 +55,7 @@ from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden
 from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.ir.sampling import token_nll
 from topq.ir.threads import blas_threads, fixed_threads
-from topq.ir.types import TensorType, round_to_dtype
+from topq.ir.types import ELEMENT_TYPES, TensorType, round_to_dtype
 from topq.quant.observers import Observer
 from topq.quant.program import ProgramSource, build_calibration_program, open_weights, program_source
 from topq.quant.sites import MLP_HIDDEN, shared_input_sites
@@ -561,6 +561,8 @@ class _MixedInterpreter(Interpreter):
                 w = self._float.get(name)
                 if w is None:  # codes * scale is not the float weight: rebuild it from the smoothed one
                     w = self._float[name] = self.weights(f"{name}.float")
+                # kept in bf16 (half the memory of every linear's float32), widened exactly per product
+                w = w.astype(np.float32)
                 return REFERENCE_OPS["top.MatMul"]([inputs[0], w, *inputs[2:]], {"right_transpose": True})
             codes, scale = self._codes[name]
             return REFERENCE_OPS["top.MatMulInt8"]([inputs[0], codes, scale, *inputs[2:]], step.attrs)
@@ -635,8 +637,8 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     def weights(n: str) -> np.ndarray:
         if n in rope:
             return rope[n]
-        if n.endswith(".float"):
-            return round_to_dtype(eff(n[: -len(".float")]), SCALE_DTYPE)
+        if n.endswith(".float"):  # stored in bf16: `_MixedInterpreter` widens it per product
+            return np.asarray(eff(n[: -len(".float")]), np.float32).astype(ELEMENT_TYPES[SCALE_DTYPE])
         if n in codes:  # a top.A8MatMul's weight operand: `_MixedInterpreter` reads the codes or `.float` instead
             return np.broadcast_to(np.float32(0), tuple(model.checkpoint.weights.shape(n)))
         return host(n)
@@ -798,13 +800,17 @@ def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: n
                  dynamic: bool, values: Mapping[str, QuantizedWeight], jobs: int = 1) -> list[dict[str, Any]]:
     """Per linear, the relative Frobenius error ||XWᵀ − f(X)||/||XWᵀ|| of its planned form f (int8 with the plan's
     scales and smoothing, or bf16) against the float linear, X = the float model's inputs on the first
-    `REPORT_WINDOWS` calibration windows. The windows run on `jobs` threads (one BLAS thread each, an interpreter
-    per thread); each window's sums are added in window order, so the report does not depend on `jobs`."""
+    `REPORT_WINDOWS` calibration windows.
+
+    It runs layer by layer — every window through one block, then the next — so one layer's float weights (and
+    its linears' bf16 forms) are loaded at a time, not the whole float model. A layer's windows run on `jobs`
+    threads (one BLAS thread each, an interpreter per thread); each linear's sums are added in window order, so
+    the report does not depend on `jobs`."""
     windows = windows[:REPORT_WINDOWS]
     cm = _calib_model(model, windows.shape[1], linears)
     store = model.checkpoint.weights
     site_of = {n: site for site in cm.sites for n in site.names}
-    forms: dict[str, tuple[np.ndarray, ...]] = {}  # per linear, computed once: bf16 weight, or (codes, scales)
+    forms: dict[str, tuple[np.ndarray, ...]] = {}  # this layer's linears: bf16 weight, or (codes, scales)
 
     def quantized(name: str, x: np.ndarray) -> np.ndarray:
         s = plan.smooth.get(site_of[name].key)
@@ -824,28 +830,34 @@ def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: n
         return REFERENCE_OPS["top.MatMulInt8"]([x_s, q, scale], attrs)[0].astype(np.float64)
 
     positions = np.arange(cm.seq_len, dtype=np.int32)[None]
-    local, shared = threading.local(), _one_copy(cm.weights)
-    bar = progress_bar(total=len(windows), desc="int8 error report", unit="sample", disable=len(windows) < 2)
-
-    def window_sums(w: np.ndarray) -> dict[str, list[float]]:
-        if not hasattr(local, "interp"):
-            local.interp = _ErrorInterpreter(cm.module, shared, cm.at_op, quantized)
-        interp = local.interp
-        interp.sums = {}
-        h = interp.run("embedding", [w[None].astype(np.int32)])[0]
-        for i in range(model.spec.num_layers):
-            h = interp.run(f"block_{i}", [h, positions])[0]
-        bar.update()
-        return interp.sums
-
     totals: dict[str, list[float]] = {}
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="topq-int8-report")
+    bar = progress_bar(total=model.spec.num_layers, desc="int8 error report", unit="layer")
     with blas_threads(fixed_threads() or 1), pool:
-        for sums in pool.map(window_sums, windows):
-            for name, (e, r) in sums.items():
-                total = totals.setdefault(name, [0.0, 0.0])
-                total[0] += e
-                total[1] += r
+        embedding = Interpreter(cm.module, cm.weights)
+        hidden = [embedding.run("embedding", [w[None].astype(np.int32)])[0] for w in windows]
+        del embedding
+        for i in range(model.spec.num_layers):
+            # this layer's interpreters and their one copy of its weights: dropped with them after the layer
+            local, shared = threading.local(), _one_copy(cm.weights)
+
+            def run(h: np.ndarray, name: str = f"block_{i}", local: Any = local,
+                    shared: Callable[[str], np.ndarray] = shared) -> tuple[np.ndarray, dict[str, list[float]]]:
+                if not hasattr(local, "interp"):
+                    local.interp = _ErrorInterpreter(cm.module, shared, cm.at_op, quantized)
+                local.interp.sums = {}
+                return local.interp.run(name, [h, positions])[0], local.interp.sums
+
+            results = list(pool.map(run, hidden))
+            for sums in (s for _, s in results):  # window order
+                for name, (e, r) in sums.items():
+                    total = totals.setdefault(name, [0.0, 0.0])
+                    total[0] += e
+                    total[1] += r
+            hidden = [h for h, _ in results]
+            del results, run, local, shared
+            forms.clear()
+            bar.update()
     bar.close()
     return [{"name": n, "mode": plan.modes[n], "error": math.sqrt(e / r) if r > 0 else 0.0}
             for n, (e, r) in sorted(totals.items(), key=lambda kv: _natural(kv[0]))]

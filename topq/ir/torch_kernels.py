@@ -161,13 +161,38 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
         return [widen(torch.matmul(narrow(probs), narrow(v))).transpose(1, 2).reshape(b, lq, hq * d)]
 
+    class SharedInputLinears(torch.autograd.Function):  # type: ignore[name-defined]  # torch is imported lazily
+        """x·Wᵢᵀ for weights that read the same x (the MLP's gate and up), with autograd's products, except that
+        the weights' gradients (xᵀ·gᵢ)ᵀ take xᵀ from one row-major copy: oneDNN multiplies a transposed left
+        operand [H, B·L] markedly slower (SmolLM2's gate, 2,048 tokens, bf16, one thread: 6.6 ms against 4.1 ms
+        with the copy; the same bits there, docs/speed.md)."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, *weights: Any) -> tuple[Any, ...]:
+            ctx.save_for_backward(x, *weights)
+            return tuple(f.linear(x, w) for w in weights)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+            x, *weights = ctx.saved_tensors
+            flat = [g.reshape(-1, g.shape[-1]) for g in grads]
+            grad_x = None
+            if ctx.needs_input_grad[0]:
+                total = flat[0] @ weights[0]
+                for g, w in zip(flat[1:], weights[1:]):
+                    total = total + g @ w
+                grad_x = total.reshape(x.shape)
+            x_t = x.reshape(-1, x.shape[-1]).t().contiguous() if any(ctx.needs_input_grad[1:]) else None
+            return (grad_x, *((x_t @ g).t() if need else None for g, need in zip(flat, ctx.needs_input_grad[1:])))
+
     def mlp(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
         x, wg, wu, wd = inputs
         act = acts.get(str(attrs.get("act", "silu")))
         if act is None:
             raise TopqError(f"top.MLP: act must be one of {', '.join(acts)}, got {attrs.get('act')!r}")
-        x = narrow(x)  # once for both projections; the gated product stays narrow for the down projection
-        return [widen(f.linear(act(f.linear(x, narrow(wg))) * f.linear(x, narrow(wu)), narrow(wd)))]
+        # x narrowed once for both projections; the gated product stays narrow for the down projection
+        gate, up = SharedInputLinears.apply(narrow(x), narrow(wg), narrow(wu))
+        return [widen(f.linear(act(gate) * up, narrow(wd)))]
 
     def unary(fn: Callable[[Any], Any]) -> TorchKernel:
         return lambda inputs, attrs: [fn(inputs[0])]

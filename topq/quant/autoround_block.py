@@ -72,9 +72,13 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
 
     float_weights = weights_of([r.w for r in roundings])
 
-    def float_outputs(rows: np.ndarray) -> np.ndarray:
+    # the float layer's outputs: the targets, and the next layer's float inputs; filled by the shards in place (no
+    # concatenation on the converting thread while the workers wait)
+    targets = np.empty(layer.float_inputs.shape, dtype=np.float32)
+
+    def float_outputs(rows: np.ndarray) -> None:
         with torch.no_grad():
-            return run(layer.float_inputs[rows], float_weights).numpy()
+            targets[rows] = run(layer.float_inputs[rows], float_weights).numpy()
 
     def loss_of(rows: np.ndarray, weights: Mapping[str, Any]) -> float:
         with torch.no_grad():
@@ -93,26 +97,38 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
     iters, lr = int(options["iters"]), float(options["lr"])
     batch = min(int(options["batch_size"]), samples)
     draws = minibatches(samples, batch, (SEED, layer.layer))
+    # the linears' tasks largest first, so that the threads finish together
+    order = sorted(range(len(roundings)), key=lambda i: -roundings[i].w.size)
+
+    def advance(i: int, shard_grads: Sequence[np.ndarray], previous: Any, lr_now: np.float32) -> tuple[Any, Any]:
+        """Linear i's SignSGD step on its shards' gradients (summed in shard order; none before step 0), then its
+        next quantize-dequantize, and that in the products' dtype for the shards."""
+        rounding = roundings[i]
+        if shard_grads:
+            rounding.step(sum(shard_grads[1:], shard_grads[0]), previous, lr_now)
+        forward = rounding.forward()
+        return forward, torch.asarray(forward.y.reshape(rounding.shape)).to(linear_dtype)
+
+    def advance_all(parts: Sequence[tuple[float, list[np.ndarray]]], previous: Sequence[Any],
+                    lr_now: np.float32) -> tuple[list[Any], dict[str, Any]]:
+        done = dict(zip(order, layer.map(
+            lambda i: advance(i, [part[1][i] for part in parts], previous[i] if parts else None, lr_now), order)))
+        return [done[i][0] for i in range(len(roundings))], {n: done[i][1] for i, n in enumerate(layer.linears)}
+
     with torch_thread_count(1):  # the shards are the parallel part: each runs torch on the thread that runs it
-        targets = np.concatenate(layer.map(float_outputs, shards(np.arange(samples))))
+        layer.map(float_outputs, shards(np.arange(samples)))
         best_loss, best = np.inf, [r.params() for r in roundings]
+        forwards, step_weights = advance_all([], [], np.float32(0))
+        rtn = [f.y.reshape(r.shape) for f, r in zip(forwards, roundings)]  # V = 0, α = β = 1, for the report
         for step in range(iters + 1):
-            forwards = layer.map(Rounding.forward, roundings)
-            w_hat = [f.y.reshape(r.shape) for f, r in zip(forwards, roundings)]
-            if step == 0:
-                rtn = w_hat  # V = 0, α = β = 1: round-to-nearest, for the report
             drawn = shards(next(draws))
-            step_weights = weights_of(w_hat)
             parts = layer.map(lambda rows, w=step_weights, last=step == iters: loss_and_grads(rows, w, last), drawn)
             loss = sum(part[0] for part in parts)
             if loss < best_loss:
                 best_loss, best = loss, [r.params() for r in roundings]
             if step == iters:
                 break
-            grads = [sum(gs[1:], gs[0]) for gs in zip(*(part[1] for part in parts))]  # in shard order
-            lr_now = step_size(lr, step, iters)
-            layer.map(lambda i, g=grads, f=forwards, lr_now=lr_now: roundings[i].step(g[i], f[i], lr_now),
-                      range(len(roundings)))
+            forwards, step_weights = advance_all(parts, forwards, step_size(lr, step, iters))
         quantized = [r.quantized(p) for r, p in zip(roundings, best)]
         for name, qw in zip(layer.linears, quantized):
             state.set_quantized(name, qw)

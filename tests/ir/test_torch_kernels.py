@@ -84,3 +84,37 @@ def test_rope_is_the_reference_bit_for_bit(mode: str, rotary: int) -> None:
     want = REFERENCE_OPS["top.Rope"]([x, cos, sin], attrs)[0]
     got = torch_kernels()["top.Rope"]([torch.from_numpy(a) for a in (x, cos, sin)], attrs)[0]
     np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+@pytest.mark.parametrize("x_grad", [True, False])  # a tuner's inputs need none; a layer behind a tuned one would
+def test_the_mlp_gradients_are_autograds(kind: str, x_grad: bool) -> None:
+    """top.MLP computes gate and up's weight gradients itself (`SharedInputLinears`); they and the input's are
+    autograd's gradients of the plain expression, to the products' rounding."""
+    from topq.ir.torch_kernels import torch_kernels
+
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[kind]
+    rng = np.random.default_rng(3)
+    x, wg, wu, wd = (torch.from_numpy(rng.standard_normal(s).astype(np.float32))
+                     for s in ((2, 12, 16), (40, 16), (40, 16), (16, 40)))
+    upstream = torch.from_numpy(rng.standard_normal((2, 12, 16)).astype(np.float32))
+
+    def gradients(mlp: Any) -> list[Any]:
+        leaves = [t.clone().requires_grad_(x_grad if i == 0 else True) for i, t in enumerate((x, wg, wu, wd))]
+        out = mlp(*leaves)
+        wanted = leaves if x_grad else leaves[1:]
+        return [g.float() for g in torch.autograd.grad(out, wanted, grad_outputs=upstream)]
+
+    def plain(x: Any, wg: Any, wu: Any, wd: Any) -> Any:
+        f = torch.nn.functional
+        x, wg, wu, wd = (t.to(dtype) for t in (x, wg, wu, wd))
+        return f.linear(f.silu(f.linear(x, wg)) * f.linear(x, wu), wd).float()
+
+    kernel = torch_kernels(kind)["top.MLP"]
+    got = gradients(lambda *a: kernel(list(a), {"act": "silu"})[0])
+    want = gradients(plain)
+    tolerance = 1e-5 if kind == "f32" else 2e-2
+    for name, g, w in zip(["x", "gate", "up", "down"][0 if x_grad else 1:], got, want):
+        scale = float(w.abs().max())
+        assert scale > 0
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=0, atol=tolerance * scale, err_msg=name)

@@ -161,11 +161,14 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
         return [widen(torch.matmul(narrow(probs), narrow(v))).transpose(1, 2).reshape(b, lq, hq * d)]
 
+    # oneDNN multiplies a transposed left operand [H, B·L] markedly slower than a row-major one, and the weights'
+    # gradients of the MLP are such products; the two functions below give them a row-major copy where that gives
+    # autograd's bits (SmolLM2's MLP, 2,048 tokens, bf16, one thread: gate/up 6.6 → 4.1 ms each, down 7.9 → 4.7 ms;
+    # for q/k/v and o the copy gives other bits, so they stay autograd's: docs/speed.md, thirteenth round)
+
     class SharedInputLinears(torch.autograd.Function):  # type: ignore[name-defined]  # torch is imported lazily
         """x·Wᵢᵀ for weights that read the same x (the MLP's gate and up), with autograd's products, except that
-        the weights' gradients (xᵀ·gᵢ)ᵀ take xᵀ from one row-major copy: oneDNN multiplies a transposed left
-        operand [H, B·L] markedly slower (SmolLM2's gate, 2,048 tokens, bf16, one thread: 6.6 ms against 4.1 ms
-        with the copy; the same bits there, docs/speed.md)."""
+        the weights' gradients (xᵀ·gᵢ)ᵀ take xᵀ from one row-major copy."""
 
         @staticmethod
         def forward(ctx: Any, x: Any, *weights: Any) -> tuple[Any, ...]:
@@ -185,6 +188,23 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
             x_t = x.reshape(-1, x.shape[-1]).t().contiguous() if any(ctx.needs_input_grad[1:]) else None
             return (grad_x, *((x_t @ g).t() if need else None for g, need in zip(flat, ctx.needs_input_grad[1:])))
 
+    class RowMajorGradientLinear(torch.autograd.Function):  # type: ignore[name-defined]
+        """x·Wᵀ (the MLP's down projection) with autograd's products, except that W's gradient gᵀ·x takes gᵀ from a
+        row-major copy."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, w: Any) -> Any:
+            ctx.save_for_backward(x, w)
+            return f.linear(x, w)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> tuple[Any, Any]:
+            x, w = ctx.saved_tensors
+            flat = grad.reshape(-1, grad.shape[-1])
+            grad_x = (flat @ w).reshape(x.shape) if ctx.needs_input_grad[0] else None
+            grad_w = flat.t().contiguous() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+            return grad_x, grad_w
+
     def mlp(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
         x, wg, wu, wd = inputs
         act = acts.get(str(attrs.get("act", "silu")))
@@ -192,7 +212,7 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
             raise TopqError(f"top.MLP: act must be one of {', '.join(acts)}, got {attrs.get('act')!r}")
         # x narrowed once for both projections; the gated product stays narrow for the down projection
         gate, up = SharedInputLinears.apply(narrow(x), narrow(wg), narrow(wu))
-        return [widen(f.linear(act(gate) * up, narrow(wd)))]
+        return [widen(RowMajorGradientLinear.apply(act(gate) * up, narrow(wd)))]
 
     def unary(fn: Callable[[Any], Any]) -> TorchKernel:
         return lambda inputs, attrs: [fn(inputs[0])]

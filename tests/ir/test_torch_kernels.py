@@ -89,8 +89,9 @@ def test_rope_is_the_reference_bit_for_bit(mode: str, rotary: int) -> None:
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
 @pytest.mark.parametrize("x_grad", [True, False])  # a tuner's inputs need none; a layer behind a tuned one would
 def test_the_mlp_gradients_are_autograds(kind: str, x_grad: bool) -> None:
-    """top.MLP computes gate and up's weight gradients itself (`SharedInputLinears`); they and the input's are
-    autograd's gradients of the plain expression, to the products' rounding."""
+    """top.MLP computes its weights' gradients itself (`SharedInputLinears` for gate and up,
+    `RowMajorGradientLinear` for down); they and the input's are autograd's gradients of the plain expression, to
+    the products' rounding."""
     from topq.ir.torch_kernels import torch_kernels
 
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[kind]

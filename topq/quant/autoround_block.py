@@ -15,7 +15,8 @@ Unlike the per-linear objective, q_proj and k_proj tune their ranges too: the bl
 
 Parallel work and determinism: a minibatch is cut into shards of SHARD windows, each a task on the loop's threads
 (`LayerInputs.map`, torch on one intra-op thread each), and the shards' losses and gradients are summed in shard
-order; the linears' quantizer steps are tasks too. Any executor and job count give the same bits.
+order; each linear's quantizer step, with its next quantize-dequantize, is a task too. Any executor and job
+count give the same bits.
 
 The report rows of a tuned layer give the layer's relative output error (not each linear's): on the first
 `batch_size` windows, sqrt(loss / ||layer(x_f)||²) with the tuned weights (`error`) and with round-to-nearest

@@ -168,7 +168,8 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
 
     class SharedInputLinears(torch.autograd.Function):  # type: ignore[name-defined]  # torch is imported lazily
         """x·Wᵢᵀ for weights that read the same x (the MLP's gate and up), with autograd's products, except that
-        the weights' gradients (xᵀ·gᵢ)ᵀ take xᵀ from one row-major copy."""
+        the weights' gradients (xᵀ·gᵢ)ᵀ take xᵀ from one row-major copy. (xᵀ·g)ᵀ, not gᵀ·x: that order gives
+        autograd's bits at SmolLM2's shape (1,536 × 576; checked with torch.equal on the AMX CPU)."""
 
         @staticmethod
         def forward(ctx: Any, x: Any, *weights: Any) -> tuple[Any, ...]:
@@ -190,7 +191,8 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
 
     class RowMajorGradientLinear(torch.autograd.Function):  # type: ignore[name-defined]
         """x·Wᵀ (the MLP's down projection) with autograd's products, except that W's gradient gᵀ·x takes gᵀ from a
-        row-major copy."""
+        row-major copy. gᵀ·x, not (xᵀ·g)ᵀ: that order gives autograd's bits at
+        SmolLM2's shape (576 × 1,536; as above)."""
 
         @staticmethod
         def forward(ctx: Any, x: Any, w: Any) -> Any:

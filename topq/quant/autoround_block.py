@@ -65,8 +65,11 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
     # their signs, summed in float32, step the parameters)
     linear_dtype = torch.bfloat16 if options["calibration_matmul"] == "bf16" else torch.float32
 
+    def for_products(array: np.ndarray) -> Any:
+        return torch.asarray(array).to(linear_dtype)
+
     def weights_of(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
-        return {n: torch.asarray(a).to(linear_dtype) for n, a in zip(layer.linears, arrays)}
+        return {n: for_products(a) for n, a in zip(layer.linears, arrays)}
 
     def shards(rows: np.ndarray) -> list[np.ndarray]:
         return [rows[a:a + SHARD] for a in range(0, len(rows), SHARD)]
@@ -108,7 +111,7 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
         if shard_grads:
             rounding.step(sum(shard_grads[1:], shard_grads[0]), previous, lr_now)
         forward = rounding.forward()
-        return forward, torch.asarray(forward.y.reshape(rounding.shape)).to(linear_dtype)
+        return forward, for_products(forward.y.reshape(rounding.shape))
 
     def advance_all(parts: Sequence[tuple[float, list[np.ndarray]]], previous: Sequence[Any],
                     lr_now: np.float32) -> tuple[list[Any], dict[str, Any]]:

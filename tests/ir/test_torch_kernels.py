@@ -119,3 +119,58 @@ def test_the_mlp_gradients_are_autograds(kind: str, x_grad: bool) -> None:
         scale = float(w.abs().max())
         assert scale > 0
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=0, atol=tolerance * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("rotary", [16, 8])  # full and partial rotary
+def test_the_rope_rotation_and_its_gradient_are_autograds_bits(rotary: int) -> None:
+    """top.Rope's contiguous halves rotate in a function of their own (`HalvesRotation`); its result and x's
+    gradient are bit for bit autograd's of the plain expression x·cos + (−x2, x1)·sin."""
+    from topq.ir.torch_kernels import torch_kernels
+
+    rng = np.random.default_rng(4)
+    x = torch.from_numpy(rng.standard_normal((2, 12, 3, 16)).astype(np.float32))
+    cos, sin = (torch.from_numpy(rng.standard_normal((1, 12, rotary)).astype(np.float32)) for _ in range(2))
+    upstream = torch.from_numpy(rng.standard_normal((2, 12, 3, 16)).astype(np.float32))
+
+    def plain(x: Any) -> Any:
+        c, s, h = cos[..., None, :], sin[..., None, :], rotary // 2
+        rotated, rest = x[..., :rotary], x[..., rotary:]
+        out = rotated * c + torch.cat([-rotated[..., h:], rotated[..., :h]], dim=-1) * s
+        return torch.cat([out, rest], dim=-1)
+
+    def result_and_gradient(rope: Any) -> tuple[Any, Any]:
+        leaf = x.clone().requires_grad_(True)
+        out = rope(leaf)
+        return out.detach(), torch.autograd.grad(out, [leaf], grad_outputs=upstream)[0]
+
+    kernel = torch_kernels("f32")["top.Rope"]
+    got = result_and_gradient(lambda t: kernel([t, cos, sin], {"mode": "contiguous_halves"})[0])
+    want = result_and_gradient(plain)
+    for name, g, w in zip(["result", "gradient"], got, want):
+        assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_bias"])
+def test_attention_output_kept_narrow_changes_no_bit(loaded_tiny: Any, kind: str) -> None:
+    """In bf16, attention's output reaches only o_proj, which narrows it again: its kernel skips the exact float32
+    round trip (`keep_narrow_results`). The layer's output and every weight's gradient are bit for bit those with
+    the round trip."""
+    from topq.ir.torch_kernels import NARROW_RESULT
+
+    module, spec, weight = _program(loaded_tiny, kind)
+    positions = np.arange(SEQ, dtype=np.int32)[None]
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((2, SEQ, spec.hidden_size)).astype(np.float32))
+    kept, plain = TorchFunction(module, "block_0", "bf16"), TorchFunction(module, "block_0", "bf16")
+    assert [step.op.name for step in kept._plan.steps if step.attrs.get(NARROW_RESULT)] == ["top.FAttention"]
+    for step in plain._plan.steps:
+        step.attrs = {k: v for k, v in step.attrs.items() if k != NARROW_RESULT}
+    weights = {n: torch.from_numpy(weight(n)) for n in kept.weights}
+
+    def output_and_gradients(fn: TorchFunction) -> list[Any]:
+        leaves = {n: weights[n].to(torch.bfloat16).requires_grad_(True) for n in fn.weights
+                  if n.endswith("proj.weight")}
+        out = fn([x, positions], {**weights, **leaves})[0]
+        return [out.detach(), *torch.autograd.grad(out, list(leaves.values()), grad_outputs=torch.ones_like(out))]
+
+    for got, want in zip(output_and_gradients(kept), output_and_gradients(plain), strict=True):
+        assert torch.equal(got, want)

@@ -174,3 +174,13 @@ def test_attention_output_kept_narrow_changes_no_bit(loaded_tiny: Any, kind: str
 
     for got, want in zip(output_and_gradients(kept), output_and_gradients(plain), strict=True):
         assert torch.equal(got, want)
+
+
+def test_rope_refuses_angles_that_need_a_gradient() -> None:
+    """`HalvesRotation` differentiates x only: angles that require a gradient are refused, not silently left out."""
+    from topq.ir.torch_kernels import torch_kernels
+
+    x = torch.zeros((1, 4, 2, 8), requires_grad=True)
+    cos = torch.ones((1, 4, 8), requires_grad=True)
+    with pytest.raises(TopqError, match="no gradient to cos and sin"):
+        torch_kernels("f32")["top.Rope"]([x, cos, torch.zeros((1, 4, 8))], {"mode": "contiguous_halves"})

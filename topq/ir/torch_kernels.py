@@ -154,12 +154,10 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         r = cos.shape[-1]
         # partial rotary: the tail passes through (no slice of a full rotary: its backward zero-fills a copy)
         rotated, rest = (x, x[..., :0]) if r == x.shape[-1] else (x[..., :r], x[..., r:])
-        mode = attrs.get("mode", "contiguous_halves")
-        if mode == "contiguous_halves" and not (c.requires_grad or s.requires_grad):
+        if attrs.get("mode", "contiguous_halves") == "contiguous_halves":
+            if c.requires_grad or s.requires_grad:  # HalvesRotation differentiates x only; no tuner trains angles
+                raise TopqError("top.Rope: the torch kernels give no gradient to cos and sin")
             out = HalvesRotation.apply(rotated, c, s)
-        elif mode == "contiguous_halves":  # angles that need a gradient: autograd's graph
-            h = r // 2
-            out = rotated * c + torch.cat([-rotated[..., h:], rotated[..., :h]], dim=-1) * s
         else:
             xe, xo = rotated[..., 0::2], rotated[..., 1::2]
             out = torch.stack([xe * c[..., 0::2] - xo * s[..., 0::2], xo * c[..., 1::2] + xe * s[..., 1::2]],
@@ -292,9 +290,9 @@ def keep_narrow_results(plan: Plan) -> None:
     uses keeps it (their gradients are summed in float32); k and v do not qualify, the cache reads them too."""
     uses = Counter(s for step in plan.steps for s in step.operands) + Counter(plan.outputs)
     user = {s: step for step in plan.steps for s in step.operands}
-    for step in plan.steps:
+    for step in (step for step in plan.steps if step.op.name == "top.FAttention"):
         slot = step.results[0]
-        while step.op.name == "top.FAttention" and uses[slot] == 1 and slot in user:
+        while uses[slot] == 1 and slot in user:
             consumer = user[slot]
             if consumer.op.name in ("top.Reshape", "top.Permute"):
                 slot = consumer.results[0]

@@ -66,6 +66,10 @@ ROWS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "autoround-block-f32-bf16": ("AutoRound block objective, f32 scales + lm_head, bf16 products", "autoround",
                                  {"calibration_matmul": "bf16", "objective": "block", "act_dtype": "f32",
                                   "lm_head": "f32"}),
+    # the same with float32 products: the row for a CPU without bf16 instructions (AVX2 only), where torch's bf16
+    # products are 30-100x slower than float32 (docs/speed.md)
+    "autoround-block-f32": ("AutoRound block objective, f32 scales + lm_head", "autoround",
+                            {"objective": "block", "act_dtype": "f32", "lm_head": "f32"}),
     "autoround-linear-bf16": ("AutoRound per linear, bf16 products", "autoround",
                               {"calibration_matmul": "bf16", "objective": "linear"}),
     # the row (docs/quantization.md's int8 table): the budget on held-out EMMA is tighter than the 1.05 ×

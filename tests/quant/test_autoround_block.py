@@ -93,3 +93,28 @@ def test_minibatches_are_seeded_epochs_of_every_window() -> None:
     assert not np.array_equal(np.stack(draws), np.stack(other))
     # a batch of all windows: every draw is every window
     assert all(sorted(d.tolist()) == list(range(5)) for d in islice(minibatches(5, 5, 0), 3))
+
+
+def test_the_shards_gradients_are_summed_with_the_bits_of_widening_each() -> None:
+    """`summed` adds the shards' bf16 (or float32) gradients into one float32 sum in shard order: bit for bit what
+    widening each to float32 and summing gives, for row-major and transposed gradients alike, and row-major."""
+    import torch
+
+    from topq.quant.autoround_block import summed
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for transposed in (False, True):
+            # magnitudes over most of the exponent range, so that a sum in bf16 (or a lost widening) would show
+            scales = [10.0 ** torch.randint(-30, 30, (24, 40), generator=g) for _ in range(3)]
+            parts = [(torch.randn(24, 40, generator=g) * s).to(dtype) for s in scales]
+            parts = [p.t() if transposed else p for p in parts]
+            for n in (1, 2, 3):
+                widened = [p.to(torch.float32).numpy() for p in parts[:n]]
+                total = summed(parts[:n])
+                assert total.dtype == np.float32 and total.flags["C_CONTIGUOUS"]
+                np.testing.assert_array_equal(total, sum(widened[1:], widened[0]))
+                assert np.array_equal(np.signbit(total), np.signbit(sum(widened[1:], widened[0])))
+    # in bf16 the same sum rounds: the check above would see it
+    a, b = (torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([2.0 ** -9], dtype=torch.bfloat16))
+    assert float(summed([a, b])[0]) == 1.0 + 2.0 ** -9 and float((a + b)[0]) == 1.0

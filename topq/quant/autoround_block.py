@@ -88,7 +88,7 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
         with torch.no_grad():
             return float((run(layer.inputs[rows], weights) - torch.asarray(targets[rows])).square().sum())
 
-    def loss_and_grads(rows: np.ndarray, w_hat: Mapping[str, Any], last: bool) -> tuple[float, list[np.ndarray]]:
+    def loss_and_grads(rows: np.ndarray, w_hat: Mapping[str, Any], last: bool) -> tuple[float, list[Any]]:
         if last:  # the last draw only scores the final parameters: no backward pass
             return loss_of(rows, w_hat), []
         leaves = {n: w.detach().requires_grad_(True) for n, w in w_hat.items()}
@@ -96,7 +96,7 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
         error = diff.detach()
         # d loss / d out = 2 (out − target), given as it is: the same bits as autograd's square and sum backward
         grads = torch.autograd.grad(diff, list(leaves.values()), grad_outputs=2 * error)
-        return float(error.square().sum()), [g.to(torch.float32).numpy() for g in grads]
+        return float(error.square().sum()), list(grads)  # in the products' dtype: `advance` sums them
 
     iters, lr = int(options["iters"]), float(options["lr"])
     batch = min(int(options["batch_size"]), samples)
@@ -104,16 +104,16 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
     # the linears' tasks largest first, so that the threads finish together
     order = sorted(range(len(roundings)), key=lambda i: -roundings[i].w.size)
 
-    def advance(i: int, shard_grads: Sequence[np.ndarray], previous: Any, lr_now: np.float32) -> tuple[Any, Any]:
-        """Linear i's SignSGD step on its shards' gradients (summed in shard order; none before step 0), then its
-        next quantize-dequantize, and that in the products' dtype for the shards."""
+    def advance(i: int, shard_grads: Sequence[Any], previous: Any, lr_now: np.float32) -> tuple[Any, Any]:
+        """Linear i's SignSGD step on its shards' gradients (`summed` in shard order; none before step 0), then
+        its next quantize-dequantize, and that in the products' dtype for the shards."""
         rounding = roundings[i]
         if shard_grads:
-            rounding.step(sum(shard_grads[1:], shard_grads[0]), previous, lr_now)
+            rounding.step(summed(shard_grads), previous, lr_now)
         forward = rounding.forward()
         return forward, for_products(forward.y.reshape(rounding.shape))
 
-    def advance_all(parts: Sequence[tuple[float, list[np.ndarray]]], previous: Sequence[Any],
+    def advance_all(parts: Sequence[tuple[float, list[Any]]], previous: Sequence[Any],
                     lr_now: np.float32) -> tuple[list[Any], dict[str, Any]]:
         done = dict(zip(order, layer.map(
             lambda i: advance(i, [part[1][i] for part in parts], previous[i] if parts else None, lr_now), order)))
@@ -144,6 +144,17 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
         tuned_loss = sum(layer.map(lambda rows: loss_of(rows, tuned_weights), shards(first)))
     _report(state, layer, tuned_loss, rtn_loss, reference)
     return targets
+
+
+def summed(grads: Sequence[Any]) -> np.ndarray:
+    """Torch gradients (bf16 or float32) summed in float32 in their order, as a row-major array: the first widened
+    into the sum, the others added to it, each widened exactly on the way — the bits of widening each and summing,
+    in fewer passes (and the gate/up gradients, transposed views, read once)."""
+    torch = require_torch()
+    total = torch.empty(grads[0].shape, dtype=torch.float32).copy_(grads[0])
+    for g in grads[1:]:
+        total.add_(g)
+    return total.numpy()
 
 
 def minibatches(samples: int, batch: int, seed: Any) -> Iterator[np.ndarray]:

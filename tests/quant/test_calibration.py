@@ -18,7 +18,6 @@ from topq.ir.interpreter import Interpreter
 from topq.ir.products import products
 from topq.plugins.quant.autoround import SCHEME as autoround_scheme
 from topq.plugins.quant.awq import SCHEME as awq_scheme
-from topq.plugins.quant.awq import _fold
 from topq.plugins.quant.gptq import SCHEME as gptq_scheme
 from topq.quant.calibration import (
     HessianStats,
@@ -312,7 +311,7 @@ def test_folded_scales_keep_the_float_function(loaded_tiny: Any, kind: str) -> N
         producer = int(fold.tie.max()) + 1 if fold.tie is not None else group.stats.k
         s_fold = rng.uniform(0.5, 2.0, size=producer)
         s = s_fold[fold.tie] if fold.tie is not None else s_fold
-        _fold(state, fold, s_fold)
+        state.fold_input_scale(fold, s_fold)
         for name in group.names:
             state.set_float(name, state.float_weight(name) * s)
         folded.append(fold.bias)

@@ -35,7 +35,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -298,8 +298,8 @@ class LayerState:
     """The model's weights as calibration changes them: quantized linears, rewritten float tensors.
 
     Solvers read float weights with `float_weight`, publish with `set_quantized`/`set_quantized_rows`/`set_float`,
-    and fold scales into an earlier op with `scale_rows`. `version` changes on every write so the interpreter
-    knows to reload its weights."""
+    and fold a group's input scale into an earlier op with `fold_input_scale` (`scale_rows` for one tensor).
+    `version` changes on every write so the interpreter knows to reload its weights."""
 
     def __init__(self, model_weight: Callable[[str], np.ndarray], extra: Mapping[str, np.ndarray] | None = None,
                  scale_dtype: str = "f32") -> None:
@@ -311,6 +311,7 @@ class LayerState:
         self._dequant_cache: dict[str, np.ndarray] = {}
         self.version = 0
         self._written: dict[str, int] = {}  # name → `version` of its last write
+        self._input_scales: dict[str, np.ndarray] = {}  # `fold_input_scale` since `take_input_scales`
 
     def float_weight(self, name: str) -> np.ndarray:
         """The float value of a tensor (rewritten if an algorithm rewrote it); callers must not modify it."""
@@ -388,6 +389,28 @@ class LayerState:
         array = self.float_weight(name).astype(np.float64)
         shape = (-1,) + (1,) * (array.ndim - 1)
         self.set_float(name, array * factor.reshape(shape))
+
+    def fold_input_scale(self, fold: FoldTarget, s_fold: np.ndarray) -> None:
+        """Divide the producer of a group's input x by s (`s_fold` per producer channel, `fold.tie` maps x's
+        channels to them), so that the group's linears read x / s. The layer loop then divides the values it kept
+        of x by s instead of computing them again (`take_input_scales`)."""
+        inv = 1.0 / np.asarray(s_fold, dtype=np.float64)
+        if fold.kind == "norm":
+            self.set_float(fold.weight, self.float_weight(fold.weight) * inv)
+            if fold.bias:
+                self.set_float(fold.bias, self.float_weight(fold.bias) * inv)
+        elif fold.kind == "rows":
+            self.scale_rows(fold.weight, inv)
+            if fold.bias and self.has(fold.bias):
+                self.scale_rows(fold.bias, inv)
+        else:
+            raise TopqError(f"unknown fold kind {fold.kind!r}")
+        self._input_scales[fold.weight] = s_fold[fold.tie] if fold.tie is not None else s_fold
+
+    def take_input_scales(self) -> dict[str, np.ndarray]:
+        """The folds since the last call: fold weight → s per channel of the input it divides (and forget them)."""
+        taken, self._input_scales = self._input_scales, {}
+        return taken
 
     def record(self, names: Sequence[str], weights: Sequence[np.ndarray], effective: Sequence[np.ndarray],
                h: np.ndarray, bits: int, group_size: int | None, symmetric: bool) -> None:
@@ -710,6 +733,8 @@ class _LayerStep:
     summarizers: tuple[Summarize | None, ...]  # per captured group: what a task sends back (`_Captured`)
     weights: dict[str, np.ndarray]  # every weight block_{layer} reads, as the model computes with it now
     changed: frozenset[str] = frozenset()  # weights written since the layer's previous step
+    # kept value → the changed weights the loop already updated it for (`_divide_kept_input`)
+    refreshed: Mapping[int, frozenset[str]] = field(default_factory=dict)
     pending: frozenset[str] = frozenset()  # weights of the groups not solved yet (this step's included)
     folds: frozenset[str] = frozenset()  # tensors those groups' solvers may fold a scale into
     hidden: np.ndarray | None = None  # every sample's layer input [samples, L, H] (executors that share memory)
@@ -799,10 +824,11 @@ def _run_layer_task(step: _LayerStep, start: int, stop: int, rows: np.ndarray | 
     name = f"block_{step.layer}"
     # a recurrent layer's prefill also takes `valid` (stages.py): every calibration token is real
     valid = [np.ones((1, step.source.seq_len), np.float32)] if len(interp.module[name].args) == 3 else []
-    if plans is None:
+    if plans is None:  # the layer's output: its hidden state (not the K / V it also returns for the caches)
+        hidden_out = frozenset({values.at(_owner(interp.module[name].results[0]))})
         out = []
         for h, cache in zip(hidden, caches):
-            interp.reuse(values, values.still_valid(cache, step.changed), values.outputs, frozenset())
+            interp.reuse(values, values.still_valid(cache, step.changed, step.refreshed), hidden_out, frozenset())
             out.append((interp.run(name, [h[None], positions, *valid])[0][0], {}))
         return out
     captured = [_Captured(summarize) for summarize in step.summarizers]
@@ -813,7 +839,7 @@ def _run_layer_task(step: _LayerStep, start: int, stop: int, rows: np.ndarray | 
     kept = []
     try:
         for h, cache in zip(hidden, caches):
-            interp.reuse(values, values.still_valid(cache, step.changed), targets, keep)
+            interp.reuse(values, values.still_valid(cache, step.changed, step.refreshed), targets, keep)
             try:
                 interp.run(name, [h[None], positions, *valid])
             except _StopLayer:
@@ -908,16 +934,20 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
         try:
             for layer, layer_plans in enumerate(plans):
                 reads = _weights_read(module[f"block_{layer}"])
+                values = LayerValues.of(module[f"block_{layer}"])
                 caches: list[Cache] = [{} for _ in range(samples)]  # per sample: values the next run reuses
                 read_at = [state.version]
+                refreshed: dict[int, frozenset[str]] = {}  # kept values divided by a fold since the last step
 
                 def step(groups: tuple[int, ...] | None, summarizers: tuple[Summarize | None, ...] = (),
                          layer: int = layer, reads: list[str] = reads, layer_plans: list[_GroupPlan] = layer_plans,
-                         read_at: list[int] = read_at) -> _LayerStep:
+                         read_at: list[int] = read_at, refreshed: dict[int, frozenset[str]] = refreshed) -> _LayerStep:
                     rest = layer_plans[groups[0]:] if groups is not None else []
                     changed, read_at[0] = state.written_since(read_at[0]), state.version
+                    up_to_date = dict(refreshed)
+                    refreshed.clear()
                     return _LayerStep(uuid.uuid4().hex, source, layer, groups, summarizers,
-                                      {n: state.current_weight(n) for n in reads}, changed,
+                                      {n: state.current_weight(n) for n in reads}, changed, up_to_date,
                                       frozenset(n for p in rest for n in p.names),
                                       frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n),
                                       matmul=kind)
@@ -952,6 +982,9 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                             solve(group, state, options)
                         else:
                             _solve_expert(group, plan.expert, state, options, solve, expert_fallback)
+                        scales = state.take_input_scales()
+                        if plan.fold is not None and plan.fold.weight in scales:
+                            refreshed.update(_divide_kept_input(plan, values, caches, scales[plan.fold.weight]))
                         bar.update()
                 # the quantized layer's output is the next layer's input
                 for s, out in enumerate(_map_samples(tasks, step(None), hidden, caches, chunk)):
@@ -965,6 +998,32 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
             if tasks is not executor:
                 tasks.close()
     return state.result
+
+
+def _divide_kept_input(plan: _GroupPlan, values: LayerValues, caches: list[Cache],
+                       s: np.ndarray) -> dict[int, frozenset[str]]:
+    """A fold into a linear's rows made the plan's input x / s (`LayerState.fold_input_scale`): divide every sample's
+    kept x by s, and say which weights' change that accounts for (the fold's). That saves attention over v, or the
+    MLP's gate / up and act. Nothing for a fold into a norm (its output costs one pass to compute again, exactly) or
+    when x is not kept as an op's only result: then the values that depend on the folded weight are dropped and
+    computed again, as for any write."""
+    assert plan.fold is not None
+    if plan.fold.kind != "rows":
+        return {}
+    if plan.kind == INPUT:
+        x = plan.op.operands[plan.operand]
+        source = producer(x)
+        if source is None or weight_name(x) is not None or len(source.results) != 1:
+            return {}
+        key = values.at(source)
+    else:  # the MLP act inside the op (`inner_key`)
+        key = inner_key(values.at(plan.op))
+    inv = (1.0 / np.asarray(s, dtype=np.float64)).astype(np.float32)
+    for cache in caches:
+        kept = cache.get(key)
+        if kept is not None:
+            cache[key] = [(kept[0].astype(np.float32, copy=False) * inv).astype(kept[0].dtype, copy=False)]
+    return {key: frozenset(n for n in (plan.fold.weight, plan.fold.bias) if n)}
 
 
 def _batches(plans: Sequence[_GroupPlan]) -> list[tuple[int, ...]]:

@@ -18,7 +18,12 @@ the down projection's capture computes anyway (`mlp_hidden`). It is kept under t
 position `i` and depends on the op's weights but the down projection, so the layer's output run computes only
 `x_act W_dᵀ` (`mlp_down`) instead of the whole MLP again.
 
-A run that reuses values computes bit-identical results: the same kernels on the same operands.
+A run that reuses values computes bit-identical results: the same kernels on the same operands. One exception,
+made on purpose: when AWQ folds a group's input scale s into the rows of the linear that produces the input
+(`LayerState.fold_input_scale`: v_proj's rows under attention, up_proj's rows under the MLP act), x becomes x / s
+exactly in real arithmetic, so the loop divides the kept x by s (`refreshed`) instead of running attention or the
+MLP's gate / up again. The result differs from a recomputation by rounding: float32's, and the fold's own rounding of
+the producer's scales to their stored dtype (bf16 scales: up to 2⁻⁹ relative per group of the producer's row).
 """
 
 from __future__ import annotations
@@ -91,9 +96,12 @@ class LayerValues:
         """The weights a cached value (an op's results, or an inner value) depends on."""
         return self.weights[key] if key >= 0 else self.inner[inner_key(key)]
 
-    def still_valid(self, cache: Mapping[int, list[np.ndarray]], changed: Iterable[str]) -> Cache:
-        changed = frozenset(changed)
-        return {i: v for i, v in cache.items() if not (self.depends_on(i) & changed)}
+    def still_valid(self, cache: Mapping[int, list[np.ndarray]], changed: Iterable[str],
+                    refreshed: Mapping[int, frozenset[str]] | None = None) -> Cache:
+        """The kept values that no `changed` weight touched, or only weights the loop already brought that value
+        up to date with (`refreshed`: key → weights; a scale folded into the value's producer)."""
+        changed, refreshed = frozenset(changed), refreshed or {}
+        return {i: v for i, v in cache.items() if not self.depends_on(i) & (changed - refreshed.get(i, frozenset()))}
 
     def needed(self, cached: Iterable[int], targets: Iterable[int]) -> frozenset[int]:
         """The ops to execute so that every target's results are known, given the `cached` ones."""

@@ -30,17 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-#: (what, M, K, N, per GPTQ layer and sample): an [M, K] · [K, N] product; M = N with "Gram" in `what` is xᵀx of
-#: one x [K, M]
+#: (what, is a Gram, M, K, N, per GPTQ layer and sample): an [M, K] · [K, N] product; a Gram (M = N) is xᵀx of one
+#: x [K, M]
 SHAPES = [
-    ("linear q/o (x Wᵀ)", 512, 576, 576, 2),
-    ("linear k/v", 512, 576, 192, 2),
-    ("linear gate/up", 512, 576, 1536, 2),
-    ("linear down", 512, 1536, 576, 1),
-    ("Gram xᵀx, K = 576", 576, 512, 576, 3),  # q/k/v's, o's and gate/up's inputs
-    ("Gram xᵀx, K = 1536", 1536, 512, 1536, 1),  # down's
-    ("report / AWQ: D H, gate/up", 3072, 576, 576, 0),
-    ("report / AWQ: D H, down", 576, 1536, 1536, 0),
+    ("linear q/o (x Wᵀ)", False, 512, 576, 576, 2),
+    ("linear k/v", False, 512, 576, 192, 2),
+    ("linear gate/up", False, 512, 576, 1536, 2),
+    ("linear down", False, 512, 1536, 576, 1),
+    ("Gram xᵀx, K = 576", True, 576, 512, 576, 3),  # q/k/v's, o's and gate/up's inputs
+    ("Gram xᵀx, K = 1536", True, 1536, 512, 1536, 1),  # down's
+    ("report / AWQ: D H, gate/up", False, 3072, 576, 576, 0),
+    ("report / AWQ: D H, down", False, 576, 1536, 1536, 0),
 ]
 LAYERS, SAMPLES, JOBS = 30, 128, 2  # quant_speed's setting
 
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     floor_ms = 0.0  # GPTQ's products per layer and sample, numpy f32
     with threadpool_limits(args.threads):
-        for what, m, k, n, per_layer in SHAPES:
-            is_gram = "Gram" in what
+        for what, is_gram, m, k, n, per_layer in SHAPES:
             a = rng.standard_normal((k, m) if is_gram else (m, k), dtype=np.float32)
             b = rng.standard_normal((k, n), dtype=np.float32)
             ta, tb = torch.from_numpy(a), torch.from_numpy(b)

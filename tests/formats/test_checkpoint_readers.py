@@ -334,6 +334,20 @@ def test_gguf_config(smol: Checkpoint, smol_reference: tuple) -> None:
     assert smol.config["rope_theta"] == pytest.approx(ref["rope_theta"], rel=1e-6)
 
 
+def test_gguf_metadata_is_read_once_and_the_readers_fields_dropped(smol: Checkpoint) -> None:
+    """The reader's fields (a memmap view per vocabulary entry) are gone once parsed; the values topq keeps are
+    gguf's own reading of the file."""
+    from gguf import GGUFReader
+
+    parsed = gguf_file._parsed(SMOL)
+    assert len(parsed.reader.fields) == 0 and len(parsed.reader.tensors) == 272
+    fresh = GGUFReader(SMOL, "r").fields
+    assert sorted(parsed.metadata) == sorted(fresh)
+    for key, field in fresh.items():
+        assert parsed.metadata[key] == field.contents(), key
+    assert len(parsed.metadata["tokenizer.ggml.tokens"]) == smol.config["vocab_size"] == 49152
+
+
 def test_gguf_names(smol: Checkpoint, smol_reference: tuple) -> None:
     tensors, _ = smol_reference
     assert set(smol.weights.names()) == set(tensors)

@@ -14,6 +14,7 @@ import pytest
 from data_paths import AUSTEN
 
 from topq.ir import reference_ops
+from topq.ir.analysis import producer, weight_name
 from topq.ir.interpreter import Interpreter
 from topq.plugins.quant import awq, gptq
 from topq.quant.calibration import (
@@ -26,7 +27,7 @@ from topq.quant.calibration import (
 )
 from topq.quant.grid import output_error, output_errors
 from topq.quant.program import calibration_program, program_source
-from topq.quant.reuse import LayerValues
+from topq.quant.reuse import LayerValues, inner_key
 
 SEQ, SAMPLES = 16, 3
 OPTIONS = {"bits": 4, "group_size": 32, "symmetric": False, "act_order": True, "damp": 0.01, "block_size": 128,
@@ -72,11 +73,14 @@ def executed_ops() -> Iterator[Counter[Any]]:
         reference_ops.mlp_activation = activation  # type: ignore[assignment]
 
 
-def calibrate(model: Any, scheme: str, reuse: bool, monkeypatch: pytest.MonkeyPatch) -> CalibrationResult:
+def calibrate(model: Any, scheme: str, reuse: bool, monkeypatch: pytest.MonkeyPatch,
+              matmul: str = "f32") -> CalibrationResult:
     with monkeypatch.context() as patch:
         if not reuse:  # nothing is kept: every run starts from the layer input, as before reuse existed
             patch.setattr(LayerValues, "frontier", lambda self, pending: frozenset())
-        return run_calibration(model, windows(model.spec.vocab_size), SOLVERS[scheme], OPTIONS, progress=False)
+        options = {**OPTIONS, "calibration_matmul": matmul}
+        return run_calibration(model, windows(model.spec.vocab_size), SOLVERS[scheme], options, progress=False,
+                               folds=scheme != "gptq")  # as the schemes run it: GPTQ's solver folds nothing
 
 
 def assert_same(a: CalibrationResult, b: CalibrationResult) -> None:
@@ -89,12 +93,14 @@ def assert_same(a: CalibrationResult, b: CalibrationResult) -> None:
     assert a.report == b.report
 
 
-@pytest.mark.parametrize("kind, scheme", [("llama", "gptq"), ("llama", "awq-norm-folds"), ("qwen3_moe", "gptq"),
-                                          ("qwen3_5", "gptq")])
+@pytest.mark.parametrize("kind, scheme, matmul", [("llama", "gptq", "f32"), ("llama", "awq-norm-folds", "f32"),
+                                                  ("qwen3_moe", "gptq", "f32"), ("qwen3_5", "gptq", "f32"),
+                                                  ("llama", "gptq", "bf16")])  # bf16: the act kept as bf16
 def test_reused_values_give_the_results_of_rerunning_the_layer(loaded_tiny: Any, kind: str, scheme: str,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                matmul: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = loaded_tiny(kind, SEQ)
-    assert_same(calibrate(model, scheme, True, monkeypatch), calibrate(model, scheme, False, monkeypatch))
+    assert_same(calibrate(model, scheme, True, monkeypatch, matmul),
+                calibrate(model, scheme, False, monkeypatch, matmul))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: v_proj has a bias, divided by the fold too
@@ -141,6 +147,111 @@ def test_each_op_of_a_layer_runs_once_per_sample(loaded_tiny: Any, scheme: str,
     assert sum(reused[i] for i in layer_ops) < sum(rerun[i] for i in layer_ops) / 2
     # the MLP's act, computed for the down projection's capture, serves the layer output too: gate / up run once
     assert reused["mlp act"] == SAMPLES * len(blocks) and rerun["mlp act"] == 2 * SAMPLES * len(blocks)
+
+
+def test_a_layers_kept_values_are_only_those_a_later_run_reads(loaded_tiny: Any) -> None:
+    """Between the down projection's capture and the layer output the loop keeps the MLP's act and the attention
+    residual, not the MLP's input (the act replaces it) nor the K / V the block returns for the KV cache (the
+    loop reads only the hidden state); the output run then executes the down projection and the last add."""
+    model = loaded_tiny("llama", SEQ)
+    block = calibration_program(program_source(model, SEQ), model.family, model.spec)[0]["block_0"]
+    values = LayerValues.of(block, read=(0,))
+    ops = [op for op in block.ops if op.name != "top.Weight"]
+    at: dict[str, list[int]] = {}
+    for op in ops:
+        at.setdefault(op.name, []).append(values.at(op))
+    (mlp,), (_, post_norm), (residual, out) = at["top.MLP"], at["top.RMSNorm"], at["top.Add"]
+    kv = {values.at(producer(r)) for r in block.results[1:]}
+    down = weight_name(ops[mlp].operands[3])
+    kept = values.frontier({down})
+    assert kept == {inner_key(mlp), residual}
+    assert values.needed(kept, {out}) == {mlp, out}
+    assert post_norm not in kept and not kv & kept
+    # a caller that reads every result (as a KV cache would) keeps K / V; from o_proj's capture on, they are final
+    assert kv <= LayerValues.of(block).frontier({down}) and not kv & values.frontier({weight_name(
+        ops[at["top.MatMul"][-1]].operands[1])})
+    # without the act (not captured), the MLP's input is computed again from the kept residual
+    assert values.needed({residual}, {out}) == {post_norm, mlp, out}
+
+
+@pytest.mark.parametrize("folds, matmul", [(False, "f32"), (True, "f32"), (False, "bf16"), (True, "bf16")])
+def test_gptq_keeps_only_what_the_next_run_reads(loaded_tiny: Any, monkeypatch: pytest.MonkeyPatch,
+                                                 folds: bool, matmul: str) -> None:
+    """What each sample keeps after each step of a layer, for GPTQ (which folds nothing): the attention output for
+    o_proj, the residual and the MLP's input for gate / up, the residual and the act for down — the act in bf16
+    when the down projection's product rounds it so anyway. A solver that may fold (AWQ) keeps more: the values a
+    fold into v_proj's / up_proj's rows would make the loop compute again, and the act in float32."""
+    from topq.quant import calibration
+
+    model = loaded_tiny("llama", SEQ)
+    block = calibration_program(program_source(model, SEQ), model.family, model.spec)[0]["block_0"]
+    values = LayerValues.of(block)
+    position = {op.name + str(i): values.at(op) for i, op in enumerate(o for o in block.ops if o.name != "top.Weight")}
+    name_of = {p: n.rstrip("0123456789") for n, p in position.items()} | {
+        inner_key(p): "act" for n, p in position.items() if n.startswith("top.MLP")}
+    kept: list[list[str]] = []
+    act_dtypes = set()
+    run = calibration._map_samples
+
+    def spy(executor: Any, step: Any, hidden: np.ndarray, caches: list[Any], chunk: int) -> Iterator[Any]:
+        yield from run(executor, step, hidden, caches, chunk)
+        if step.layer == 0:
+            kept.append(sorted(name_of[k] for k in caches[0]))
+        act_dtypes.update(str(v[0].dtype) for cache in caches for k, v in cache.items() if name_of[k] == "act")
+
+    monkeypatch.setattr(calibration, "_map_samples", spy)
+    run_calibration(model, windows(model.spec.vocab_size), SOLVERS["gptq"],
+                    {**OPTIONS, "calibration_matmul": matmul}, progress=False, folds=folds)
+    assert act_dtypes == {"bfloat16" if matmul == "bf16" and not folds else "float32"}
+    if folds:  # q / k after RoPE and the normed x for v and attention, the MLP's input beside its act
+        assert kept[1] == ["top.FAttention", "top.RMSNorm", "top.Rope", "top.Rope"]
+        assert kept[3] == ["act", "top.Add", "top.RMSNorm"]
+    else:
+        assert kept == [["top.RMSNorm"], ["top.FAttention"], ["top.Add", "top.RMSNorm"], ["act", "top.Add"], []]
+
+
+def test_only_awq_has_the_loop_keep_values_for_folds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from topq.core.recipe import recipe_from_defaults
+    from topq.plugins.quant import autoround
+    from topq.quant import calibration
+
+    folds: dict[str, bool] = {}
+    monkeypatch.setattr(calibration, "calibration_windows", lambda model, recipe: None)
+    for scheme in (gptq.SCHEME, awq.SCHEME, autoround.SCHEME):
+        monkeypatch.setattr(calibration, "run_calibration",
+                            lambda *args, name=scheme.name, **kwargs: folds.update({name: kwargs["folds"]}))
+        scheme.calibrate(None, recipe_from_defaults(model={"path": "unused"}, quant={"scheme": scheme.name}))
+    assert folds == {"gptq": False, "awq": True, "autoround": False}
+
+
+def test_the_embedding_table_is_freed_before_the_layers_run(loaded_tiny: Any,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop reads the embedding once, for every sample's layer-0 input; its float copy is gone (without the
+    cyclic GC) when the first group is solved."""
+    import gc
+    import weakref
+
+    model = loaded_tiny("llama", SEQ)
+    read, weight = {}, model.weight
+
+    def tracked(name: str) -> np.ndarray:
+        array = np.array(weight(name), dtype=np.float32)
+        read[name] = weakref.ref(array)
+        return array
+
+    alive: list[bool] = []
+
+    def solve(group: GroupInputs, state: LayerState, options: Mapping[str, Any]) -> None:
+        alive.append(read["model.embed_tokens.weight"]() is not None)
+        SOLVERS["gptq"](group, state, options)
+
+    monkeypatch.setattr(model, "weight", tracked)
+    gc.disable()
+    try:
+        run_calibration(model, windows(model.spec.vocab_size), solve, OPTIONS, progress=False)
+    finally:
+        gc.enable()
+    assert alive and not any(alive)
 
 
 def test_batched_report_products_match_the_float64_reference() -> None:

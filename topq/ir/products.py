@@ -26,11 +26,13 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from topq.ir.errors import TopqError
 
-__all__ = ["KINDS", "check_kind", "linear", "matmul", "products", "torch_thread_count", "torch_threads"]
+__all__ = ["KINDS", "bf16_operand", "check_kind", "linear", "matmul", "products", "torch_thread_count",
+           "torch_threads"]
 
 Product = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -48,12 +50,26 @@ def _torch() -> Any:
     return torch
 
 
+def _bf16_tensor(torch: Any, a: np.ndarray) -> Any:
+    if a.dtype == ml_dtypes.bfloat16:  # already rounded (`bf16_operand`): its bits as they are
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    # torch.asarray shares the array (a read-only one too, which torch.from_numpy warns about)
+    return torch.asarray(a).to(torch.bfloat16)
+
+
 def _bf16_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     torch = _torch()
-    bf16 = torch.bfloat16
-    # torch.asarray shares the arrays (read-only ones too, which torch.from_numpy warns about)
-    y = torch.matmul(torch.asarray(a).to(bf16), torch.asarray(b).to(bf16))
+    y = torch.matmul(_bf16_tensor(torch, a), _bf16_tensor(torch, b))
     return y.to(torch.float32).numpy()
+
+
+def bf16_operand(x: np.ndarray) -> np.ndarray:
+    """float32 `x` rounded to bfloat16 as the bf16 products round an operand, in half the memory: a bf16 product
+    of the result is the product of `x`, bit for bit. (The calibration loop keeps a value so when its only reader
+    is such a product.)"""
+    torch = _torch()
+    return torch.asarray(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy() \
+        .view(ml_dtypes.bfloat16)
 
 
 _KIND_PRODUCTS: dict[str, Product] = {"f32": np.matmul, "bf16": _bf16_matmul}

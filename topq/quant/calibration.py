@@ -50,7 +50,7 @@ from topq.core.stages import rope_weights
 from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.graph import Function, Module, Operation, Value
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.products import check_kind, matmul, products, torch_threads
+from topq.ir.products import bf16_operand, check_kind, matmul, products, torch_threads
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden, moe_expert_tokens, moe_routing
 from topq.ir.threads import blas_threads, fixed_threads
 from topq.ir.types import round_to_dtype
@@ -552,6 +552,7 @@ class _CaptureInterpreter(Interpreter):
         self._cache: Cache = {}
         self._execute: frozenset[int] = frozenset()
         self._keep: frozenset[int] = frozenset()
+        self._narrow = False
         self.kept: Cache = {}
 
     def load_weight(self, op: Operation) -> np.ndarray:
@@ -568,10 +569,13 @@ class _CaptureInterpreter(Interpreter):
         self._at = _capture_point(self.plans_[0]) if self.plans_ else None
         self.tap = self._capture if self.plans_ else None
 
-    def reuse(self, values: LayerValues, cache: Cache, targets: frozenset[int], keep: frozenset[int]) -> None:
+    def reuse(self, values: LayerValues, cache: Cache, targets: frozenset[int], keep: frozenset[int],
+              narrow: bool = False) -> None:
         """The next run takes the results of the ops in `cache` from it, executes only the other ops that
-        `targets` need, and keeps (in `kept`) the results of the ops in `keep` for the run after it."""
-        self._values, self._cache, self._keep = values, cache, keep
+        `targets` need, and keeps (in `kept`) the results of the ops in `keep` for the run after it. `narrow`: keep
+        a captured MLP act rounded to bf16 (`bf16_operand`), exact when its one reader, the down projection, is a
+        bf16 product and no fold will divide the act."""
+        self._values, self._cache, self._keep, self._narrow = values, cache, keep, narrow
         self._execute = values.needed(cache, targets)
         self.kept = {i: v for i, v in cache.items() if i in keep}
 
@@ -584,8 +588,9 @@ class _CaptureInterpreter(Interpreter):
             if i not in self._execute:  # nothing this run wants depends on it
                 return [None] * len(step.results)  # type: ignore[list-item]
             act = self._cache.get(inner_key(i))
-            if act is not None and step.kernel is REFERENCE_OPS["top.MLP"]:  # the kernel made of these two parts
-                outs = [mlp_down(act[0], inputs[3]).reshape(inputs[0].shape)]
+            if act is not None:  # the reference kernel's two parts (`mlp_hidden`, `mlp_down`); x was not computed
+                assert step.kernel is REFERENCE_OPS["top.MLP"]
+                outs = [mlp_down(act[0], inputs[3]).reshape(step.op.results[0].type.shape)]
             else:
                 outs = super().run_op(step, inputs)
             if i in self._keep:
@@ -631,7 +636,8 @@ class _CaptureInterpreter(Interpreter):
             stats.add(act)
             key = inner_key(self._values.at(op)) if self._values is not None else None
             if key in self._keep and act.dtype == np.float32 and w_gate.dtype == w_up.dtype == np.float32:
-                self.kept[key] = [act]  # the op's own kernel would compute exactly this act (float32 operands)
+                # the op's own kernel would compute exactly this act (float32 operands)
+                self.kept[key] = [bf16_operand(act) if self._narrow else act]
 
 
 def _routing(op: Operation, inputs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -750,6 +756,8 @@ class _Steps(threading.local):
 
 
 _STEPS = _Steps()
+#: the block results the layer loop reads: the hidden state (not the K / V a block returns for the KV cache)
+_HIDDEN = (0,)
 
 
 class _ThreadTasks:
@@ -799,7 +807,7 @@ def _step_runner(step: _LayerStep) -> tuple[_CaptureInterpreter, list[_GroupPlan
             plans = [found[g] for g in step.groups]
         table.clear()
         table.update(token=step.token, interp=_CaptureInterpreter(module, _FixedWeights(step.weights)),  # type: ignore[arg-type]
-                     plans=plans, values=LayerValues.of(function))
+                     plans=plans, values=LayerValues.of(function, read=_HIDDEN))
     return table["interp"], table["plans"], table["values"]
 
 
@@ -836,10 +844,11 @@ def _run_layer_task(step: _LayerStep, start: int, stop: int, rows: np.ndarray | 
     at = values.at(_capture_point(plans[0]))
     targets = frozenset((at, *values.producers[at]))  # the tap reads the capture op's operands and results
     keep = values.frontier(step.pending) | values.frontier(step.pending | step.folds)
+    narrow = step.matmul == "bf16" and not step.folds
     kept = []
     try:
         for h, cache in zip(hidden, caches):
-            interp.reuse(values, values.still_valid(cache, step.changed, step.refreshed), targets, keep)
+            interp.reuse(values, values.still_valid(cache, step.changed, step.refreshed), targets, keep, narrow)
             try:
                 interp.run(name, [h[None], positions, *valid])
             except _StopLayer:
@@ -881,6 +890,19 @@ def _map_samples(executor: TaskExecutor, step: _LayerStep, hidden: np.ndarray, c
         executor.release(handle)
 
 
+def _embed(module: Any, state: LayerState, windows: np.ndarray) -> np.ndarray:
+    """Every sample's input of layer 0 [samples, L, H]. The embedding table's float copy (the interpreter's plan
+    and the state's cache hold it) is dropped before the layers run: no layer reads it."""
+    interp = _CaptureInterpreter(module, state)
+    first = interp.run("embedding", [windows[:1]])[0][0]
+    hidden = np.empty((len(windows), *first.shape), first.dtype)
+    hidden[0] = first
+    for s in range(1, len(windows)):
+        hidden[s] = interp.run("embedding", [windows[s:s + 1]])[0][0]
+    state.end_layer()
+    return hidden
+
+
 def _weights_read(function: Function) -> list[str]:
     return list(dict.fromkeys(str(op.attrs["name"]) for op in function.walk() if op.name == "top.Weight"))
 
@@ -888,8 +910,13 @@ def _weights_read(function: Function) -> list[str]:
 def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver, options: Mapping[str, Any],
                     progress: bool = True, desc: str = "calibrate", executor: TaskExecutor | None = None,
                     observe: Callable[[int], Any] = InputStats, expert_fallback: bool = True,
-                    layer_tuner: LayerTuner | None = None) -> CalibrationResult:
+                    layer_tuner: LayerTuner | None = None, folds: bool = False) -> CalibrationResult:
     """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc).
+
+    `folds`: `solve` may fold group input scales into earlier ops (`GroupInputs.fold`; AWQ), so the loop also keeps
+    the values such a fold makes it compute again, and keeps the MLP act in float32 (a fold divides it). A solver
+    that folds without saying so still gets correct values (what a write touched is computed again or divided, never
+    stale), but not always the bits of the run that was told.
 
     A routed expert's group (top.MoE) is solved on the tokens routed to it; with `expert_fallback` one that
     received fewer than `expert_min_tokens` is rounded to nearest instead (`_solve_expert`).
@@ -915,8 +942,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     source = program_source(model, seq_len)
     module, _, _ = calibration_program(source, family, spec)
     state = LayerState(model.weight, rope_weights(spec, seq_len), scale_dtype=str(options.get("act_dtype", "f32")))
-    interp = _CaptureInterpreter(module, state)
-    hidden = np.stack([interp.run("embedding", [w[None]])[0][0] for w in windows])  # [samples, L, H]
+    hidden = _embed(module, state, windows)
     plans = [_find_groups(module[f"block_{i}"], family, spec, i) for i in range(spec.num_layers)]
     for plan in (p for layer_plans in plans for p in layer_plans):  # fail before hours of calibration, not after
         resolve_group_size(options.get("group_size"), plan.k, what=" / ".join(plan.names))
@@ -934,7 +960,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
         try:
             for layer, layer_plans in enumerate(plans):
                 reads = _weights_read(module[f"block_{layer}"])
-                values = LayerValues.of(module[f"block_{layer}"])
+                values = LayerValues.of(module[f"block_{layer}"], read=_HIDDEN)
                 caches: list[Cache] = [{} for _ in range(samples)]  # per sample: values the next run reuses
                 read_at = [state.version]
                 refreshed: dict[int, frozenset[str]] = {}  # kept values divided by a fold since the last step
@@ -949,7 +975,8 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                     return _LayerStep(uuid.uuid4().hex, source, layer, groups, summarizers,
                                       {n: state.current_weight(n) for n in reads}, changed, up_to_date,
                                       frozenset(n for p in rest for n in p.names),
-                                      frozenset(n for p in rest if p.fold for n in (p.fold.weight, p.fold.bias) if n),
+                                      frozenset(n for p in rest if p.fold and folds
+                                                for n in (p.fold.weight, p.fold.bias) if n),
                                       matmul=kind)
 
                 if tuned[layer]:
@@ -1124,12 +1151,13 @@ def calibration_scheme(name: str, description: str, *, solve: WeightSolver | Non
                        group_solver: GroupSolver | None = None, observe: Callable[[int], Any] = InputStats,
                        own_options: tuple[Option, ...] = (),
                        read_options: Callable[[Mapping[str, Any]], dict[str, Any]] = lambda quant: {},
-                       layer_tuner: LayerTuner | None = None) -> QuantScheme:
+                       layer_tuner: LayerTuner | None = None, folds: bool = False) -> QuantScheme:
     """A weight-only QuantScheme whose `calibrate` runs the layer loop: each quant group's input statistics
     (`observe`, default `InputStats`) go to `solve` (`QuantScheme.solve`: stacked weights → QuantizedWeight) or, for
     a scheme that rewrites more than the group's weights (AWQ folds scales into the previous op), to `group_solver`
     (reads and publishes through `LayerState`). Exactly one of the two is given. A `layer_tuner` quantizes the
-    layers it covers as a whole instead (`run_calibration`).
+    layers it covers as a whole instead (`run_calibration`). `folds`: the group solver folds input scales into
+    earlier ops (AWQ), so the layer loop keeps what it needs to bring its kept values up to date cheaply.
 
     `own_options` are the scheme's recipe options beside bits / group_size / symmetric / act_dtype;
     `read_options(quant)` checks and defaults them (the solver gets both). The scheme produces `bits`-bit weights
@@ -1153,7 +1181,7 @@ def calibration_scheme(name: str, description: str, *, solve: WeightSolver | Non
         options = options_of(recipe.to_dict()["quant"])
         windows = calibration_windows(model, recipe)
         return run_calibration(model, windows, solve_group, options, desc=name, executor=executor, observe=observe,
-                               layer_tuner=layer_tuner)
+                               layer_tuner=layer_tuner, folds=folds)
 
     def quantize(weight: np.ndarray, options: Mapping[str, Any]) -> QuantizedWeight:
         # Weights outside the decoder layers (e.g. `quant.lm_head: gptq`) have no calibration: round to nearest.

@@ -16,7 +16,8 @@ results depend on (transitively); from that it tells
 A fused `top.MLP` has one more reusable value inside it: its down projection's input act(x W_gᵀ)·(x W_uᵀ), which
 the down projection's capture computes anyway (`mlp_hidden`). It is kept under the key `inner_key(i)` of the op's
 position `i` and depends on the op's weights but the down projection, so the layer's output run computes only
-`x_act W_dᵀ` (`mlp_down`) instead of the whole MLP again.
+`x_act W_dᵀ` (`mlp_down`) instead of the whole MLP again; the MLP's input x is then not kept beside it (an op
+with its inner value reads none of its operands).
 
 A run that reuses values computes bit-identical results: the same kernels on the same operands. One exception,
 made on purpose: when AWQ folds a group's input scale s into the rows of the linear that produces the input
@@ -28,7 +29,7 @@ the producer's scales to their stored dtype (bf16 scales: up to 2⁻⁹ relative
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,11 +54,13 @@ class LayerValues:
     producers: tuple[tuple[int, ...], ...]  # per op: the positions of the ops producing its operands
     consumers: tuple[tuple[int, ...], ...]
     weights: tuple[frozenset[str], ...]  # per op: every weight its results depend on
-    outputs: frozenset[int]  # ops producing a function result
+    outputs: frozenset[int]  # ops producing a function result that the runs are read for
     inner: dict[int, frozenset[str]]  # top.MLP position → every weight its inner value (mlp_hidden's act) depends on
 
     @classmethod
-    def of(cls, function: Function) -> LayerValues:
+    def of(cls, function: Function, read: Sequence[int] | None = None) -> LayerValues:
+        """`read`: the function results the caller reads (their indices; default all). The calibration loop reads
+        only the hidden state, so the K / V a block also returns for the KV cache are not kept between its runs."""
         weight_of: dict[int, str] = {}  # id(value) → weight name, for top.Weight results
         made_by: dict[int, int] = {}  # id(value) → producing op's position
         position: dict[int, int] = {}
@@ -80,17 +83,20 @@ class LayerValues:
         for i, ops in enumerate(producers):
             for p in ops:
                 consumers[p].append(i)
-        outputs = frozenset(made_by[id(v)] for v in function.results if id(v) in made_by)
+        results = function.results if read is None else [function.results[i] for i in read]
+        outputs = frozenset(made_by[id(v)] for v in results if id(v) in made_by)
         return cls(position, tuple(producers), tuple(tuple(c) for c in consumers), tuple(weights), outputs, inner)
 
     def frontier(self, pending: Iterable[str]) -> frozenset[int]:
-        """Ops whose results depend on no `pending` weight but feed an op that does, or the function's results;
-        and the inner values that depend on no `pending` weight inside an op whose result does."""
+        """The inner values that depend on no `pending` weight inside an op whose result does; and the ops whose
+        results depend on no `pending` weight but feed an op that does and will read them — not an op whose inner
+        value is kept, which reads none of its operands again (`needed`) — or are a function result read."""
         pending = frozenset(pending)
         final = [not (w & pending) for w in self.weights]
-        return frozenset(i for i, ok in enumerate(final)
-                         if ok and (i in self.outputs or any(not final[c] for c in self.consumers[i]))) | \
-            frozenset(inner_key(i) for i, w in self.inner.items() if not final[i] and not (w & pending))
+        inner = frozenset(i for i, w in self.inner.items() if not final[i] and not (w & pending))
+        return frozenset(i for i, ok in enumerate(final) if ok and (
+            i in self.outputs or any(not final[c] and c not in inner for c in self.consumers[i]))) | \
+            frozenset(inner_key(i) for i in inner)
 
     def depends_on(self, key: int) -> frozenset[str]:
         """The weights a cached value (an op's results, or an inner value) depends on."""
@@ -105,7 +111,7 @@ class LayerValues:
 
     def needed(self, cached: Iterable[int], targets: Iterable[int]) -> frozenset[int]:
         """The ops to execute so that every target's results are known, given the `cached` ones."""
-        cached = frozenset(i for i in cached if i >= 0)
+        cached = frozenset(cached)
         run: set[int] = set()
         todo = [t for t in targets if t not in cached]
         while todo:
@@ -113,6 +119,8 @@ class LayerValues:
             if i in run:
                 continue
             run.add(i)
+            if inner_key(i) in cached:  # the op computes its result from its inner value and its own weight
+                continue
             todo.extend(p for p in self.producers[i] if p not in cached and p not in run)
         return frozenset(run)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -195,28 +196,37 @@ def _read(path: Path) -> Any:
     return reader
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception:  # noqa: BLE001 - a malformed value is treated as absent
-        return default
+def _metadata(reader: Any) -> dict[str, Any]:
+    """Every metadata field's value (None for a malformed one, which reads as absent); the reader's fields are
+    dropped. gguf keeps each element of an array field as a memmap view of its own: ~85 MiB for SmolLM2's 49k-token
+    vocabulary and merges, alive as long as the reader (the whole conversion), against ~8 MiB as Python values."""
+    values = {}
+    for key, f in reader.fields.items():
+        try:
+            values[key] = f.contents()
+        except Exception:  # noqa: BLE001 - a malformed value is treated as absent
+            values[key] = None
+    reader.fields.clear()
+    return values
+
+
+def _field(metadata: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = metadata.get(key)
+    return default if value is None else value
 
 
 class _Metadata:
     """Typed reads of one architecture's GGUF keys: a value of the wrong type or range is one clear error (a
     crafted or damaged file must not reach the model code as a string size or a zero head count)."""
 
-    def __init__(self, reader: Any, arch: str, path: Path) -> None:
-        self.reader, self.arch, self.path = reader, arch, path
+    def __init__(self, metadata: Mapping[str, Any], arch: str, path: Path) -> None:
+        self.metadata, self.arch, self.path = metadata, arch, path
 
     def _bad(self, key: str, value: Any, want: str) -> TopqError:
         return TopqError(f"{self.path}: GGUF metadata {key} must be {want}, got {show(value)}")
 
     def raw(self, key: str, default: Any = None) -> Any:
-        return _field(self.reader, key, default)
+        return _field(self.metadata, key, default)
 
     def count(self, suffix: str, default: Any = None, *, required: bool = False, minimum: int = 1) -> Any:
         """A positive integer `<arch>.<suffix>` (None when absent and not required)."""
@@ -254,9 +264,10 @@ class _Metadata:
         return value
 
 
-def _config(reader: Any, declared: GGUFArchitecture, tensor_names: set[str], path: Path) -> dict[str, Any]:
+def _config(reader: Any, metadata: Mapping[str, Any], declared: GGUFArchitecture, tensor_names: set[str],
+            path: Path) -> dict[str, Any]:
     arch = declared.name
-    meta = _Metadata(reader, arch, path)
+    meta = _Metadata(metadata, arch, path)
     for suffix in ("embedding_length", "block_count", "attention.head_count"):
         if meta.raw(f"{arch}.{suffix}") is None:
             raise TopqError(f"{path}: GGUF metadata lacks {arch}.{suffix} (needs {arch}.embedding_length, "
@@ -272,8 +283,8 @@ def _config(reader: Any, declared: GGUFArchitecture, tensor_names: set[str], pat
     kv_heads = meta.count("attention.head_count_kv", kv_heads, required=True)
     rotary = meta.count("rope.dimension_count")
     head_dim = meta.count("attention.key_length") or (None if declared.rotary_dims else rotary) or hidden // heads
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else meta.count("vocab_size")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if isinstance(tokens, list) else meta.count("vocab_size")
     scaling = None
     rope_type = meta.raw(f"{arch}.rope.scaling.type")
     if rope_type is not None and not isinstance(rope_type, str):
@@ -364,8 +375,8 @@ def _entries(reader: Any, config: dict[str, Any], declared: GGUFArchitecture, pa
     return entries
 
 
-def _tokenizer_files(path: Path, reader: Any) -> dict[str, str]:
-    if "tokenizer.ggml.model" not in reader.fields:
+def _tokenizer_files(path: Path, metadata: Mapping[str, Any]) -> dict[str, str]:
+    if "tokenizer.ggml.model" not in metadata:
         return {}
     # AutoTokenizer would re-read the whole GGUF through transformers' config path (~10 s) only to pick
     # this same fast-tokenizer class; asking for the class directly converts the vocabulary alone.
@@ -379,16 +390,16 @@ def _tokenizer_files(path: Path, reader: Any) -> dict[str, str]:
 
 
 class _Parsed:
-    """A GGUF file's reader and, once asked for, its converted tokenizer files."""
+    """A GGUF file's reader (its tensors), its metadata values and, once asked for, its converted tokenizer files."""
 
     def __init__(self, path: Path, reader: Any) -> None:
-        self.path, self.reader = path, reader
+        self.path, self.reader, self.metadata = path, reader, _metadata(reader)
         self._tokenizer: tuple[Any, dict[str, str]] | None = None  # (the converter that made it, its files)
 
     def tokenizer_files(self) -> dict[str, str]:
         convert = _tokenizer_files  # looked up now: a replaced converter (a test's stand-in) is not served stale
         if self._tokenizer is None or self._tokenizer[0] is not convert:
-            self._tokenizer = (convert, convert(self.path, self.reader))
+            self._tokenizer = (convert, convert(self.path, self.metadata))
         return dict(self._tokenizer[1])
 
 
@@ -435,9 +446,9 @@ def open_checkpoint(path: Path) -> Checkpoint:
         raise TopqError(f"gguf checkpoint: no such file {path}")
     parsed = _parsed(path)
     reader = parsed.reader
-    declared = _architecture(_field(reader, "general.architecture"), path)
+    declared = _architecture(_field(parsed.metadata, "general.architecture"), path)
     tensor_names = {t.name for t in reader.tensors}
-    config = _config(reader, declared, tensor_names, path)
+    config = _config(reader, parsed.metadata, declared, tensor_names, path)
     weights = GGUFStore(path, reader, _entries(reader, config, declared, path))
     return Checkpoint(path=path, format="gguf", config=config, weights=weights,
                       tokenizer_files=parsed.tokenizer_files())

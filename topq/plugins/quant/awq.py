@@ -169,7 +169,7 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
 
 SCHEME = calibration_scheme(
     "awq", "AWQ: activation-aware channel scaling (folded into the previous op) + range clipping, calibrated",
-    group_solver=solve_group,
+    group_solver=solve_group, folds=True,
     own_options=(Option("clip", Field("bool", True, help="awq: search weight clipping ranges")),),
     read_options=lambda quant: {"clip": bool(quant["clip"])})
 

@@ -211,6 +211,7 @@ def test_gptq_keeps_only_what_the_next_run_reads(loaded_tiny: Any, monkeypatch: 
 
 
 def test_only_awq_has_the_loop_keep_values_for_folds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schemes tell the layer loop whether their solver folds scales into earlier ops (`folds`)."""
     from topq.core.recipe import recipe_from_defaults
     from topq.plugins.quant import autoround
     from topq.quant import calibration

@@ -64,12 +64,10 @@ def _bf16_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def bf16_operand(x: np.ndarray) -> np.ndarray:
-    """float32 `x` rounded to bfloat16 as the bf16 products round an operand, in half the memory: a bf16 product
-    of the result is the product of `x`, bit for bit. (The calibration loop keeps a value so when its only reader
-    is such a product.)"""
-    torch = _torch()
-    return torch.asarray(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy() \
-        .view(ml_dtypes.bfloat16)
+    """float32 `x` stored as bfloat16 (nearest even, as torch rounds a bf16 product's operands), in half the
+    memory: a bf16 product of the result is the product of `x`, bit for bit. (The calibration loop keeps a value so
+    when its only reader is such a product.)"""
+    return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16)
 
 
 _KIND_PRODUCTS: dict[str, Product] = {"f32": np.matmul, "bf16": _bf16_matmul}

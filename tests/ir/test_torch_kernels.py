@@ -184,3 +184,51 @@ def test_rope_refuses_angles_that_need_a_gradient() -> None:
     cos = torch.ones((1, 4, 8), requires_grad=True)
     with pytest.raises(TopqError, match="no gradient to cos and sin"):
         torch_kernels("f32")["top.Rope"]([x, cos, torch.zeros((1, 4, 8))], {"mode": "contiguous_halves"})
+
+
+@pytest.mark.parametrize("length", [100, 128])  # a last query block shorter than the others, and whole blocks
+def test_bf16_causal_attention_in_query_blocks_is_as_close_as_sdpa(length: int) -> None:
+    """bf16 causal self-attention runs in query blocks (`CausalAttention`): its result and q's, k's and v's
+    gradients are as close to a float64 reference as torch's bf16 SDPA (GQA, a scale that is not a power of two), and
+    a query never reads a later key: changing the last position's k and v leaves every earlier output bit for bit."""
+    from topq.ir.torch_kernels import QUERY_BLOCK, torch_kernels
+
+    assert length > QUERY_BLOCK
+    f = torch.nn.functional
+    rng = np.random.default_rng(6)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, length, heads, 16)).astype(np.float32))
+               for heads in (6, 2, 2))
+    upstream = torch.from_numpy(rng.standard_normal((2, length, 6 * 16)).astype(np.float32))
+    attrs = {"scale": 0.3, "causal": True}
+    kernel = torch_kernels("bf16")["top.FAttention"]
+
+    def blocked(q: Any, k: Any, v: Any) -> Any:
+        return kernel([q, k, v], attrs)[0]
+
+    def sdpa(q: Any, k: Any, v: Any) -> Any:
+        out = f.scaled_dot_product_attention(*(t.to(torch.bfloat16).transpose(1, 2) for t in (q, k, v)),
+                                             is_causal=True, scale=0.3, enable_gqa=True)
+        return out.float().transpose(1, 2).reshape(2, length, 96)
+
+    def reference(q: Any, k: Any, v: Any) -> Any:
+        q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+        k, v = k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1)
+        scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(torch.ones(length, length).triu(1).bool(), -torch.inf)
+        return (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(2, length, 96)
+
+    def result_and_gradients(fn: Any, dtype: Any = torch.float32) -> list[Any]:
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        return [out.detach().double(), *(g.double() for g in
+                                          torch.autograd.grad(out, leaves, grad_outputs=upstream.to(dtype)))]
+
+    want = result_and_gradients(reference, torch.float64)
+    for name, got, near, ref in zip(["result", "q", "k", "v"], result_and_gradients(blocked),
+                                    result_and_gradients(sdpa), want):
+        error, sdpa_error = (float((x - ref).norm() / ref.norm()) for x in (got, near))
+        assert error < 1.5 * sdpa_error and error < 1e-2, (name, error, sdpa_error)
+    later = [t.clone() for t in (k, v)]
+    for t in later:
+        t[:, -1] += 1.0
+    assert torch.equal(blocked(q, *later)[:, :-1], blocked(q, k, v)[:, :-1])
+    assert not torch.equal(blocked(q, *later)[:, -1], blocked(q, k, v)[:, -1])

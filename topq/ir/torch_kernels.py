@@ -30,6 +30,10 @@ __all__ = ["TorchFunction", "require_torch", "torch_kernels", "uncovered_ops"]
 
 TorchKernel = Callable[[list[Any], dict[str, Any]], list[Any]]
 
+#: query positions per block of `CausalAttention` (each block's scores cover only the keys up to its last position:
+#: at 512 positions, 56 % of the full score matrix)
+QUERY_BLOCK = 64
+
 
 def require_torch() -> Any:
     """torch, or a TopqError saying it is needed."""
@@ -164,15 +168,77 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
                               dim=-1).flatten(-2)
         return [torch.cat([out, rest], dim=-1) if rest.shape[-1] else out]
 
+    class CausalAttention(torch.autograd.Function):  # type: ignore[name-defined]  # torch is imported lazily
+        """Causal self-attention of bf16 q, k, v [B, L, H, D] (GQA: q's heads in groups per k / v head) in query
+        blocks of QUERY_BLOCK positions, each against only the keys it sees: scores q·kᵀ·scale and their
+        gradient dO·vᵀ as float32 products of the bf16 values (exact products, float32 sums, as SDPA's bf16
+        kernel accumulates), softmax in float32, P·v, Pᵀ·dO, dS·k and dSᵀ·q as bf16 products. The result is
+        [B, L, H·D] in bf16. torch's CPU flash-attention kernel takes ~1.5× as long for SmolLM2's shape (4 × 512
+        tokens, 9 / 3 heads, forward and backward, one thread: docs/speed.md, nineteenth round)."""
+
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any, scale: float) -> Any:
+            b, length, hq, d = q.shape
+            hk = k.shape[2]
+            g = hq // hk
+            # rows (position, head of the group): a query block is a contiguous run of rows per k / v head
+            qs = q.reshape(b, length, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, length * g, d)
+            qs = qs.to(torch.float32).mul_(scale)
+            kf = k.permute(0, 2, 1, 3).to(torch.float32).contiguous()  # [B, Hk, L, D]
+            vb = v.permute(0, 2, 1, 3).contiguous()
+            out = torch.empty(b, hk, length * g, d, dtype=v.dtype)
+            probs = []
+            for a, e in _query_blocks(length):
+                rows = slice(a * g, e * g)
+                s = torch.matmul(qs[:, :, rows], kf[:, :, :e].transpose(-1, -2))
+                s[..., a:].masked_fill_(_future(a, e, g), float("-inf"))
+                p = torch.softmax(s, dim=-1)
+                p_narrow = p.to(v.dtype)
+                out[:, :, rows] = torch.matmul(p_narrow, vb[:, :, :e])
+                probs.append((p, p_narrow))
+            ctx.save_for_backward(qs, kf, vb, out)
+            ctx.probs, ctx.scale = probs, scale
+            return out.reshape(b, hk, length, g, d).permute(0, 2, 1, 3, 4).reshape(b, length, hq * d)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> tuple[Any, Any, Any, None]:
+            qs, kf, vb, out = ctx.saved_tensors
+            b, hk, rows_all, d = qs.shape
+            length = kf.shape[2]
+            g = rows_all // length
+            go = grad.reshape(b, length, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, rows_all, d)
+            go = go.to(vb.dtype)
+            go_f = go.to(torch.float32)
+            delta = (go_f * out.to(torch.float32)).sum(-1, keepdim=True)  # rowsum(dO ∘ O) = rowsum(P ∘ dP)
+            q_narrow, k_narrow, v_f = qs.to(vb.dtype), kf.to(vb.dtype), vb.to(torch.float32)
+            dq = torch.empty(b, hk, rows_all, d, dtype=torch.float32)
+            dk = torch.zeros(b, hk, length, d, dtype=torch.float32)
+            dv = torch.zeros(b, hk, length, d, dtype=torch.float32)
+            for (a, e), (p, p_narrow) in zip(_query_blocks(length), ctx.probs):
+                rows = slice(a * g, e * g)
+                dv[:, :, :e] += torch.matmul(p_narrow.transpose(-1, -2), go[:, :, rows])
+                dp = torch.matmul(go_f[:, :, rows], v_f[:, :, :e].transpose(-1, -2))
+                ds = (dp.sub_(delta[:, :, rows]).mul_(p)).to(vb.dtype)
+                dq[:, :, rows] = torch.matmul(ds, k_narrow[:, :, :e])
+                dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), q_narrow[:, :, rows])
+            ctx.probs = None
+            dq = dq.mul_(ctx.scale).reshape(b, hk, length, g, d).permute(0, 2, 1, 3, 4).reshape(b, length, hk * g, d)
+            return (dq.to(vb.dtype), dk.permute(0, 2, 1, 3).to(vb.dtype), dv.permute(0, 2, 1, 3).to(vb.dtype),
+                    None)
+
     def attention(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
-        q, k, v = (t.transpose(1, 2) for t in inputs[:3])  # [B, H, L, D]
         mask = inputs[3] if len(inputs) > 3 else None
-        b, hq, lq, d = q.shape
-        lk = k.shape[2]
         scale = float(attrs["scale"])
         causal = bool(attrs.get("causal", True))
         softcap = float(attrs.get("softcap") or 0.0)
         window = int(attrs.get("window") or 0)
+        if cast is not None and causal and mask is None and softcap == 0 and window == 0 \
+                and inputs[0].shape[1] == inputs[1].shape[1]:
+            out = CausalAttention.apply(*(narrow(t) for t in inputs[:3]), scale)
+            return [out if attrs.get(NARROW_RESULT) else widen(out)]
+        q, k, v = (t.transpose(1, 2) for t in inputs[:3])  # [B, H, L, D]
+        b, hq, lq, d = q.shape
+        lk = k.shape[2]
         if mask is None and softcap == 0 and window == 0 and (lq == lk or not causal):
             out = f.scaled_dot_product_attention(narrow(q), narrow(k), narrow(v), is_causal=causal, scale=scale,
                                                  enable_gqa=True)
@@ -276,6 +342,18 @@ COVERED = frozenset(("top.Gather", "top.RMSNorm", "top.LayerNorm", "top.MatMul",
                      "top.MulConst", "top.Reshape", "top.Permute", "top.Concat", "top.Slice", "top.Rope",
                      "top.FAttention", "top.MLP", "top.SiLU", "top.Tanh", "top.GELU", "top.Sigmoid",
                      "top.Softmax"))
+
+
+def _query_blocks(length: int) -> list[tuple[int, int]]:
+    return [(a, min(a + QUERY_BLOCK, length)) for a in range(0, length, QUERY_BLOCK)]
+
+
+def _future(a: int, e: int, group: int) -> Any:
+    """The keys a..e−1 a query block's rows (position, head of the group) do not see: those after the row's
+    position."""
+    torch = require_torch()
+    positions = torch.arange(e - a).repeat_interleave(group)
+    return torch.arange(e - a)[None, :] > positions[:, None]
 
 
 def uncovered_ops(function: Function) -> list[str]:

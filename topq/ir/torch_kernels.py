@@ -182,8 +182,8 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
             hk = k.shape[2]
             g = hq // hk
             # rows (position, head of the group): a query block is a contiguous run of rows per k / v head
-            qs = q.reshape(b, length, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, length * g, d)
-            qs = qs.to(torch.float32).mul_(scale)
+            q_rows = q.reshape(b, length, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, length * g, d)
+            qs = q_rows.to(torch.float32).mul_(scale)
             kf = k.permute(0, 2, 1, 3).to(torch.float32).contiguous()  # [B, Hk, L, D]
             vb = v.permute(0, 2, 1, 3).contiguous()
             out = torch.empty(b, hk, length * g, d, dtype=v.dtype)
@@ -196,21 +196,21 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
                 p_narrow = p.to(v.dtype)
                 out[:, :, rows] = torch.matmul(p_narrow, vb[:, :, :e])
                 probs.append((p, p_narrow))
-            ctx.save_for_backward(qs, kf, vb, out)
+            ctx.save_for_backward(q_rows, kf, vb, out)
             ctx.probs, ctx.scale = probs, scale
             return out.reshape(b, hk, length, g, d).permute(0, 2, 1, 3, 4).reshape(b, length, hq * d)
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> tuple[Any, Any, Any, None]:
-            qs, kf, vb, out = ctx.saved_tensors
-            b, hk, rows_all, d = qs.shape
+            q_rows, kf, vb, out = ctx.saved_tensors
+            b, hk, rows_all, d = q_rows.shape
             length = kf.shape[2]
             g = rows_all // length
             go = grad.reshape(b, length, hk, g, d).permute(0, 2, 1, 3, 4).reshape(b, hk, rows_all, d)
             go = go.to(vb.dtype)
             go_f = go.to(torch.float32)
             delta = (go_f * out.to(torch.float32)).sum(-1, keepdim=True)  # rowsum(dO ∘ O) = rowsum(P ∘ dP)
-            q_narrow, k_narrow, v_f = qs.to(vb.dtype), kf.to(vb.dtype), vb.to(torch.float32)
+            k_narrow, v_f = kf.to(vb.dtype), vb.to(torch.float32)
             dq = torch.empty(b, hk, rows_all, d, dtype=torch.float32)
             dk = torch.zeros(b, hk, length, d, dtype=torch.float32)
             dv = torch.zeros(b, hk, length, d, dtype=torch.float32)
@@ -220,11 +220,11 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
                 dp = torch.matmul(go_f[:, :, rows], v_f[:, :, :e].transpose(-1, -2))
                 ds = (dp.sub_(delta[:, :, rows]).mul_(p)).to(vb.dtype)
                 dq[:, :, rows] = torch.matmul(ds, k_narrow[:, :, :e])
-                dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), q_narrow[:, :, rows])
+                dk[:, :, :e] += torch.matmul(ds.transpose(-1, -2), q_rows[:, :, rows])
             ctx.probs = None
             dq = dq.mul_(ctx.scale).reshape(b, hk, length, g, d).permute(0, 2, 1, 3, 4).reshape(b, length, hk * g, d)
-            return (dq.to(vb.dtype), dk.permute(0, 2, 1, 3).to(vb.dtype), dv.permute(0, 2, 1, 3).to(vb.dtype),
-                    None)
+            dk = dk.mul_(ctx.scale).permute(0, 2, 1, 3)
+            return dq.to(vb.dtype), dk.to(vb.dtype), dv.permute(0, 2, 1, 3).to(vb.dtype), None
 
     def attention(inputs: list[Any], attrs: dict[str, Any]) -> list[Any]:
         mask = inputs[3] if len(inputs) > 3 else None
@@ -232,14 +232,14 @@ def torch_kernels(linear_dtype: str = "f32") -> dict[str, TorchKernel]:
         causal = bool(attrs.get("causal", True))
         softcap = float(attrs.get("softcap") or 0.0)
         window = int(attrs.get("window") or 0)
-        if cast is not None and causal and mask is None and softcap == 0 and window == 0 \
-                and inputs[0].shape[1] == inputs[1].shape[1]:
-            out = CausalAttention.apply(*(narrow(t) for t in inputs[:3]), scale)
-            return [out if attrs.get(NARROW_RESULT) else widen(out)]
+        plain = mask is None and softcap == 0 and window == 0
         q, k, v = (t.transpose(1, 2) for t in inputs[:3])  # [B, H, L, D]
         b, hq, lq, d = q.shape
         lk = k.shape[2]
-        if mask is None and softcap == 0 and window == 0 and (lq == lk or not causal):
+        if plain and causal and lq == lk and cast is not None:
+            out = CausalAttention.apply(*(narrow(t) for t in inputs[:3]), scale)
+            return [out if attrs.get(NARROW_RESULT) else widen(out)]
+        if plain and (lq == lk or not causal):
             out = f.scaled_dot_product_attention(narrow(q), narrow(k), narrow(v), is_causal=causal, scale=scale,
                                                  enable_gqa=True)
             out = out if attrs.get(NARROW_RESULT) else widen(out)

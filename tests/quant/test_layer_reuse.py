@@ -179,8 +179,11 @@ def test_gptq_keeps_only_what_the_next_run_reads(loaded_tiny: Any, monkeypatch: 
                                                  folds: bool, matmul: str) -> None:
     """What each sample keeps after each step of a layer, for GPTQ (which folds nothing): the attention output for
     o_proj, the residual and the MLP's input for gate / up, the residual and the act for down — the act in bf16
-    when the down projection's product rounds it so anyway. A solver that may fold (AWQ) keeps more: the values a
-    fold into v_proj's / up_proj's rows would make the loop compute again, and the act in float32."""
+    when the down projection's product rounds it so anyway. A solver that may fold (AWQ) keeps the same values, the
+    act in float32: a fold into v_proj's / up_proj's rows divides the kept attention output / act
+    (`_divide_kept_input`), so nothing before them is computed again; a fold into a norm changes values that are
+    computed again anyway (the norm's output). From gate / up's step on, the residual is kept in the layer input's
+    buffer: no run reads that input again."""
     from topq.quant import calibration
 
     model = loaded_tiny("llama", SEQ)
@@ -190,6 +193,7 @@ def test_gptq_keeps_only_what_the_next_run_reads(loaded_tiny: Any, monkeypatch: 
     name_of = {p: n.rstrip("0123456789") for n, p in position.items()} | {
         inner_key(p): "act" for n, p in position.items() if n.startswith("top.MLP")}
     kept: list[list[str]] = []
+    in_input: list[list[str]] = []  # kept values held in the layer input's buffer (`_store_in_input`)
     act_dtypes = set()
     run = calibration._map_samples
 
@@ -197,17 +201,35 @@ def test_gptq_keeps_only_what_the_next_run_reads(loaded_tiny: Any, monkeypatch: 
         yield from run(executor, step, hidden, caches, chunk)
         if step.layer == 0:
             kept.append(sorted(name_of[k] for k in caches[0]))
+            in_input.append(sorted(name_of[k] for k, v in caches[-1].items() if np.shares_memory(v[0], hidden[-1])))
         act_dtypes.update(str(v[0].dtype) for cache in caches for k, v in cache.items() if name_of[k] == "act")
 
     monkeypatch.setattr(calibration, "_map_samples", spy)
     run_calibration(model, windows(model.spec.vocab_size), SOLVERS["gptq"],
                     {**OPTIONS, "calibration_matmul": matmul}, progress=False, folds=folds)
     assert act_dtypes == {"bfloat16" if matmul == "bf16" and not folds else "float32"}
-    if folds:  # q / k after RoPE and the normed x for v and attention, the MLP's input beside its act
-        assert kept[1] == ["top.FAttention", "top.RMSNorm", "top.Rope", "top.Rope"]
-        assert kept[3] == ["act", "top.Add", "top.RMSNorm"]
-    else:
-        assert kept == [["top.RMSNorm"], ["top.FAttention"], ["top.Add", "top.RMSNorm"], ["act", "top.Add"], []]
+    assert kept == [["top.RMSNorm"], ["top.FAttention"], ["top.Add", "top.RMSNorm"], ["act", "top.Add"], []]
+    # once o_proj is solved no run reads the layer input again: the residual takes its place
+    assert in_input == [[], [], ["top.Add"], ["top.Add"], []]
+
+
+def test_a_write_behind_the_stored_residual_is_refused(loaded_tiny: Any) -> None:
+    """A solver that writes a weight it did not declare (here the input norm, at down_proj's step) after the loop
+    stopped keeping the layer input would need that input again: one clear error, not stale values."""
+    from topq.core.errors import TopqError
+
+    model = loaded_tiny("llama", SEQ)
+    solve = SOLVERS["gptq"]
+
+    def rogue(group: GroupInputs, state: LayerState, options: Mapping[str, Any]) -> None:
+        solve(group, state, options)
+        if "down_proj" in group.names[0]:
+            norm = group.names[0].replace("mlp.down_proj", "input_layernorm")
+            state.set_float(norm, state.float_weight(norm) * 2)
+
+    with pytest.raises(TopqError, match="layer 0: a solver changed weights that values computed from the layer "
+                                        "input depend on"):
+        run_calibration(model, windows(model.spec.vocab_size), rogue, OPTIONS, progress=False)
 
 
 def test_only_awq_has_the_loop_keep_values_for_folds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -742,7 +742,9 @@ class _LayerStep:
     # kept value → the changed weights the loop already updated it for (`_divide_kept_input`)
     refreshed: Mapping[int, frozenset[str]] = field(default_factory=dict)
     pending: frozenset[str] = frozenset()  # weights of the groups not solved yet (this step's included)
-    folds: frozenset[str] = frozenset()  # tensors those groups' solvers may fold a scale into
+    # tensors those groups' solvers may fold a scale into, where the loop computes the values after them again
+    folds: frozenset[str] = frozenset()
+    divides: bool = False  # some of those groups' folds divide a kept value instead (`_divide_kept_input`)
     hidden: np.ndarray | None = None  # every sample's layer input [samples, L, H] (executors that share memory)
     caches: list[Cache] | None = None  # every sample's values kept from the layer's previous steps (likewise)
     matmul: str = "f32"  # the products the tasks compute with (`quant.calibration_matmul`, `topq.ir.products`)
@@ -841,10 +843,9 @@ def _run_layer_task(step: _LayerStep, start: int, stop: int, rows: np.ndarray | 
         return out
     captured = [_Captured(summarize) for summarize in step.summarizers]
     interp.capture(plans, captured)  # type: ignore[arg-type]
-    at = values.at(_capture_point(plans[0]))
-    targets = frozenset((at, *values.producers[at]))  # the tap reads the capture op's operands and results
+    targets = _capture_targets(plans[0], values)
     keep = values.frontier(step.pending) | values.frontier(step.pending | step.folds)
-    narrow = step.matmul == "bf16" and not step.folds
+    narrow = step.matmul == "bf16" and not step.folds and not step.divides
     kept = []
     try:
         for h, cache in zip(hidden, caches):
@@ -857,6 +858,34 @@ def _run_layer_task(step: _LayerStep, start: int, stop: int, rows: np.ndarray | 
     finally:
         interp.capture([], [])
     return [([c.items[i] for c in captured], kept[i]) for i in range(len(hidden))]
+
+
+def _capture_targets(plan: _GroupPlan, values: LayerValues) -> frozenset[int]:
+    """The ops a run up to the plan's capture point must produce: the tap reads the capture op's operands and
+    results."""
+    at = values.at(_capture_point(plan))
+    return frozenset((at, *values.producers[at]))
+
+
+def _store_in_input(hidden: np.ndarray, s: int, cache: Cache, values: LayerValues, later: Iterable[int],
+                    lasting: Iterable[int], stored: list[int | None]) -> None:
+    """Once the layer's later runs (their `later` targets) need not read sample s's layer input — computed from
+    the kept values `lasting` until then — keep a kept value of the same shape, the earliest (the residual stream),
+    in that row of `hidden` instead of beside it: [samples, L, H] float32 less at the layer loop's peak. `stored`:
+    the key stored so (per layer)."""
+    row = hidden[s]
+    key = stored[0]
+    if key is not None and key in cache and np.may_share_memory(cache[key][0], row):
+        return
+    if values.reads_input(lasting, later):
+        return
+    fits = [k for k in sorted(cache) if k >= 0 and len(cache[k]) == 1 and cache[k][0].shape == (1, *row.shape)
+            and cache[k][0].dtype == row.dtype]
+    if fits:
+        key = key if key in fits else fits[0]
+        row[...] = cache[key][0][0]
+        cache[key] = [row[None]]
+        stored[0] = key
 
 
 def _chunk_size(executor: TaskExecutor, samples: int) -> int:
@@ -914,7 +943,8 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc).
 
     `folds`: `solve` may fold group input scales into earlier ops (`GroupInputs.fold`; AWQ), so the loop also keeps
-    the values such a fold makes it compute again, and keeps the MLP act in float32 (a fold divides it). A solver
+    the values such a fold makes it compute again (none for a fold whose kept input it divides instead:
+    `_divide_kept_input`), and keeps the MLP act in float32 (a fold divides it). A solver
     that folds without saying so still gets correct values (what a write touched is computed again or divided, never
     stale), but not always the bits of the run that was told.
 
@@ -964,20 +994,29 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                 caches: list[Cache] = [{} for _ in range(samples)]  # per sample: values the next run reuses
                 read_at = [state.version]
                 refreshed: dict[int, frozenset[str]] = {}  # kept values divided by a fold since the last step
+                stored: list[int | None] = [None]  # the kept value `_store_in_input` keeps in `hidden`
 
                 def step(groups: tuple[int, ...] | None, summarizers: tuple[Summarize | None, ...] = (),
                          layer: int = layer, reads: list[str] = reads, layer_plans: list[_GroupPlan] = layer_plans,
-                         read_at: list[int] = read_at, refreshed: dict[int, frozenset[str]] = refreshed) -> _LayerStep:
+                         read_at: list[int] = read_at, refreshed: dict[int, frozenset[str]] = refreshed,
+                         values: LayerValues = values, caches: list[Cache] = caches,
+                         stored: list[int | None] = stored) -> _LayerStep:
                     rest = layer_plans[groups[0]:] if groups is not None else []
                     changed, read_at[0] = state.written_since(read_at[0]), state.version
                     up_to_date = dict(refreshed)
                     refreshed.clear()
+                    targets = values.outputs if groups is None else _capture_targets(layer_plans[groups[0]], values)
+                    if stored[0] is not None and values.reads_input(
+                            values.still_valid(caches[0], changed, up_to_date), targets):
+                        raise TopqError(f"layer {layer}: a solver changed weights that values computed from the "
+                                        "layer input depend on, after the layer loop stopped keeping that input")
+                    folding = [p for p in rest if p.fold and folds]
+                    divided = [_divided_key(p, values) is not None for p in folding]
                     return _LayerStep(uuid.uuid4().hex, source, layer, groups, summarizers,
                                       {n: state.current_weight(n) for n in reads}, changed, up_to_date,
                                       frozenset(n for p in rest for n in p.names),
-                                      frozenset(n for p in rest if p.fold and folds
-                                                for n in (p.fold.weight, p.fold.bias) if n),
-                                      matmul=kind)
+                                      frozenset().union(*(_fold_tensors(p) for p, d in zip(folding, divided) if not d)),
+                                      any(divided), matmul=kind)
 
                 if tuned[layer]:
                     assert layer_tuner is not None and float_hidden is not None
@@ -995,7 +1034,15 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                     stats = [observe(layer_plans[g].k) for g in batch]
                     summarizers = tuple(summarizer(st) for st in stats)
                     tokens = [0] * len(batch)
-                    for xs in _map_samples(tasks, step(batch, summarizers), hidden, caches, chunk):
+                    # what the layer's later runs read, and the kept values that stay valid until then
+                    later = values.outputs.union(*(_capture_targets(p, values) for p in layer_plans[batch[-1] + 1:]))
+                    folding = [p for p in layer_plans[batch[0]:] if p.fold and folds]
+                    changing = frozenset(n for p in layer_plans[batch[0]:] for n in p.names).union(
+                        *(_fold_tensors(p) for p in folding))
+                    divided = {k: _fold_tensors(p) for p in folding if (k := _divided_key(p, values)) is not None}
+                    for s, xs in enumerate(_map_samples(tasks, step(batch, summarizers), hidden, caches, chunk)):
+                        _store_in_input(hidden, s, caches[s], values, later, values.still_valid(
+                            caches[s], changing, divided), stored)
                         for i, (st, summarize, (seen, x)) in enumerate(zip(stats, summarizers, xs)):
                             if summarize is None:
                                 st.add(x)
@@ -1035,22 +1082,33 @@ def _divide_kept_input(plan: _GroupPlan, values: LayerValues, caches: list[Cache
     when x is not kept as an op's only result: then the values that depend on the folded weight are dropped and
     computed again, as for any write."""
     assert plan.fold is not None
-    if plan.fold.kind != "rows":
+    key = _divided_key(plan, values)
+    if key is None:
         return {}
-    if plan.kind == INPUT:
-        x = plan.op.operands[plan.operand]
-        source = producer(x)
-        if source is None or weight_name(x) is not None or len(source.results) != 1:
-            return {}
-        key = values.at(source)
-    else:  # the MLP act inside the op (`inner_key`)
-        key = inner_key(values.at(plan.op))
     inv = (1.0 / np.asarray(s, dtype=np.float64)).astype(np.float32)
     for cache in caches:
         kept = cache.get(key)
         if kept is not None:
             cache[key] = [(kept[0].astype(np.float32, copy=False) * inv).astype(kept[0].dtype, copy=False)]
-    return {key: frozenset(n for n in (plan.fold.weight, plan.fold.bias) if n)}
+    return {key: _fold_tensors(plan)}
+
+
+def _fold_tensors(plan: _GroupPlan) -> frozenset[str]:
+    """The tensors the plan's solver may fold its input scale into."""
+    return frozenset(n for n in (plan.fold.weight, plan.fold.bias) if n) if plan.fold is not None else frozenset()
+
+
+def _divided_key(plan: _GroupPlan, values: LayerValues) -> int | None:
+    """The kept value that `_divide_kept_input` divides after the plan's fold, if the fold is one it handles so."""
+    if plan.fold is None or plan.fold.kind != "rows":
+        return None
+    if plan.kind != INPUT:  # the MLP act inside the op (`inner_key`)
+        return inner_key(values.at(plan.op))
+    x = plan.op.operands[plan.operand]
+    source = producer(x)
+    if source is None or weight_name(x) is not None or len(source.results) != 1:
+        return None
+    return values.at(source)
 
 
 def _batches(plans: Sequence[_GroupPlan]) -> list[tuple[int, ...]]:

@@ -23,8 +23,13 @@ A run that reuses values computes bit-identical results: the same kernels on the
 made on purpose: when AWQ folds a group's input scale s into the rows of the linear that produces the input
 (`LayerState.fold_input_scale`: v_proj's rows under attention, up_proj's rows under the MLP act), x becomes x / s
 exactly in real arithmetic, so the loop divides the kept x by s (`refreshed`) instead of running attention or the
-MLP's gate / up again. The result differs from a recomputation by rounding: float32's, and the fold's own rounding of
-the producer's scales to their stored dtype (bf16 scales: up to 2⁻⁹ relative per group of the producer's row).
+MLP's gate / up again — and so keeps nothing before x for such a fold. The result differs from a recomputation
+by rounding: float32's, and the fold's own rounding of the producer's scales to their stored dtype (bf16 scales:
+up to 2⁻⁹ relative per group of the producer's row).
+
+`reads_input(cached, targets)` tells when the later runs no longer read the layer input (from o_proj's solve on:
+the residual h + attention is kept and final); the loop then keeps the residual in the input's buffer instead of
+beside it (`calibration._store_in_input`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from topq.ir.graph import Function, Operation
+from topq.ir.graph import Function, Operation, walk_ops
 
 #: kept results of one sample's runs of a layer: op position → the op's results (`inner_key(position)` → the
 #: op's inner value, one array)
@@ -56,6 +61,7 @@ class LayerValues:
     weights: tuple[frozenset[str], ...]  # per op: every weight its results depend on
     outputs: frozenset[int]  # ops producing a function result that the runs are read for
     inner: dict[int, frozenset[str]]  # top.MLP position → every weight its inner value (mlp_hidden's act) depends on
+    input_readers: frozenset[int] = frozenset()  # the ops reading the function's first argument (the layer input)
 
     @classmethod
     def of(cls, function: Function, read: Sequence[int] | None = None) -> LayerValues:
@@ -67,11 +73,15 @@ class LayerValues:
         producers: list[tuple[int, ...]] = []
         weights: list[frozenset[str]] = []
         inner: dict[int, frozenset[str]] = {}
+        first = function.args[0] if function.args else None
+        input_readers: set[int] = set()
         for op in function.ops:
             if op.name == "top.Weight":
                 weight_of[id(op.results[0])] = str(op.attrs["name"])
                 continue
             i = position[id(op)] = len(producers)
+            if any(v is first for o in walk_ops([op]) for v in o.operands):  # nested regions included
+                input_readers.add(i)
             ops = tuple(dict.fromkeys(made_by[id(v)] for v in op.operands if id(v) in made_by))
             producers.append(ops)
             weights.append(frozenset(weight_of[id(v)] for v in op.operands if id(v) in weight_of).union(
@@ -85,7 +95,8 @@ class LayerValues:
                 consumers[p].append(i)
         results = function.results if read is None else [function.results[i] for i in read]
         outputs = frozenset(made_by[id(v)] for v in results if id(v) in made_by)
-        return cls(position, tuple(producers), tuple(tuple(c) for c in consumers), tuple(weights), outputs, inner)
+        return cls(position, tuple(producers), tuple(tuple(c) for c in consumers), tuple(weights), outputs, inner,
+                   frozenset(input_readers))
 
     def frontier(self, pending: Iterable[str]) -> frozenset[int]:
         """The inner values that depend on no `pending` weight inside an op whose result does; and the ops whose
@@ -123,6 +134,11 @@ class LayerValues:
                 continue
             todo.extend(p for p in self.producers[i] if p not in cached and p not in run)
         return frozenset(run)
+
+    def reads_input(self, cached: Iterable[int], targets: Iterable[int]) -> bool:
+        """Whether producing `targets` from the `cached` results reads the layer input (the function's first
+        argument)."""
+        return bool(self.needed(cached, targets) & self.input_readers)
 
     def at(self, op: Operation) -> int:
         return self.position[id(op)]

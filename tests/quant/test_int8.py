@@ -703,6 +703,41 @@ def test_mixed_precision_evaluations_resume_from_kept_states(tiny: dict[str, Any
     assert resumed == {**fresh, "cut_layers_reused": resumed["cut_layers_reused"]}
 
 
+def test_the_cut_keeps_only_states_it_can_resume_from(tiny: dict[str, Any], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bracket's ends drop the states in front of layers no later evaluation resumes from (`_Evaluation.trim`):
+    fewer states held, the same search (a 6-layer model, a state kept in front of every layer)."""
+    from tiny_models import build_tiny
+
+    from topq.core.pipeline import convert
+    from topq.plugins.quant import int8
+
+    deep = {"root": tmp_path}
+    build_tiny("llama", tmp_path / "model", overrides={"num_hidden_layers": 6})
+    shutil.copy(tiny["root"] / "emma.ids", tmp_path / "emma.ids")
+    monkeypatch.setattr(int8, "KEEP_EVERY", 1)
+    reports, held = {}, {}
+    evaluation = int8._Evaluation
+    for trimmed in (True, False):
+        made: list[Any] = []
+
+        def recorded(*args: Any, made: list[Any] = made) -> Any:
+            made.append(evaluation(*args))
+            return made[-1]
+
+        monkeypatch.setattr(int8, "_Evaluation", recorded)
+        if not trimmed:
+            monkeypatch.setattr(evaluation, "trim", lambda self, last: None)
+        table = tmp_path / f"trim-{trimmed}.yaml"
+        convert(recipe_for(deep, "int8", name=f"trim-{trimmed}", table=str(table), budget=1.0,
+                           calibration={"samples": 8}), progress=False)
+        reports[trimmed] = yaml.safe_load(table.read_text())["mixed_precision"]
+        held[trimmed] = sum(len(states) for e in made[2:] for states in e.kept)  # the cut's evaluations, as kept
+    assert reports[True]["cut_evaluations"] >= 4
+    assert reports[True] == reports[False]
+    assert held[True] < held[False], held
+
+
 def test_dynamic_tokens_without_smoothing_reads_no_statistics(tiny: dict[str, Any]) -> None:
     """Per-token scales are computed at run time: no observation pass, no static scales in the table — and such a
     table cannot be reused for static int8 (a clear error, not a zero scale)."""

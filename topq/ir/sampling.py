@@ -1,6 +1,7 @@
 """Decoding settings and the choice of the next token from logits (greedy, temperature, top-k, top-p,
-repetition penalty), and the likelihood of the tokens that did come (`token_nll`, for perplexity). Plain numpy;
-the runtime (`topq.core.runtime`) uses it, and re-exports `Sampling` for its callers."""
+repetition penalty), and the likelihood of the tokens that did come (`token_nll` for perplexity, `head_nll` from the
+final hidden states). Plain numpy; the runtime (`topq.core.runtime`) uses it, and re-exports `Sampling` for its
+callers."""
 
 from __future__ import annotations
 
@@ -62,10 +63,36 @@ def token_nll(logits: np.ndarray, targets: np.ndarray, overwrite: bool = False) 
     memory traffic of an all-float64 softmax, with a vectorized exp; the error against float64 is ~1e-7 nats per
     token (tested), far below any perplexity digit reported. `overwrite`: float32 logits the caller no longer
     needs are the work buffer (no second [T, V] array; the same values)."""
-    logits = np.asarray(logits, dtype=np.float32)
+    return float(_row_nll(np.asarray(logits, dtype=np.float32), targets, overwrite).sum())
+
+
+#: positions per product in `head_nll`: 128 × a 49k vocabulary is 24 MiB of logits, against 96 MiB for 512 at once.
+#: Fewer rows cost time: every product packs the whole head again (SmolLM2's window: 64 rows 1.41×, 128 1.17×,
+#: 256 1.06× one product's time, docs/speed.md).
+HEAD_ROWS = 128
+
+
+def head_nll(hidden: np.ndarray, head: np.ndarray, targets: np.ndarray, rows: int = HEAD_ROWS) -> float:
+    """`token_nll(hidden @ head.T, targets)` for hidden [T, H] and a head [V, H], without the [T, V] logits: `rows`
+    positions at a time into one reused buffer. Each position's value is computed as there (a row of a product does
+    not depend on the other rows' count with the BLAS kernels measured, docs/speed.md) and the total is the same
+    float64 sum of them."""
+    hidden, head = np.asarray(hidden, np.float32), np.asarray(head, np.float32)
+    targets = np.asarray(targets)
+    per_position = np.empty(len(targets), np.float64)
+    buffer = np.empty((min(rows, len(targets)), head.shape[0]), np.float32)
+    for start in range(0, len(targets), rows):
+        end = min(start + rows, len(targets))
+        logits = np.matmul(hidden[start:end], head.T, out=buffer[: end - start])
+        per_position[start:end] = _row_nll(logits, targets[start:end], overwrite=True)
+    return float(per_position.sum())
+
+
+def _row_nll(logits: np.ndarray, targets: np.ndarray, overwrite: bool) -> np.ndarray:
+    """Each position's −log softmax(logits[t])[targets[t]] (float64), as `token_nll` sums them."""
     top = logits.max(axis=-1, keepdims=True)
     shifted = np.subtract(logits, top, out=logits if overwrite and logits.flags.writeable else None)
     picked = shifted[np.arange(len(targets)), np.asarray(targets)].astype(np.float64)
     np.exp(shifted, out=shifted)
     log_sums = np.log(shifted.sum(axis=-1, dtype=np.float64))
-    return float((log_sums - picked).sum())
+    return log_sums - picked

@@ -99,6 +99,31 @@ def test_repetition_penalty_generation_matches_transformers(tiny_host: TinyFacto
     assert tokens != [t for t, _ in sample(case.bundle, ids, Sampling(), n=24)]
 
 
+def test_head_nll_is_token_nll_without_the_whole_logits() -> None:
+    """`head_nll` (int8's search) is `token_nll` of the head's product, a few positions' logits at a time: the same
+    value (to 1e-12 relative; bit for bit with OpenBLAS's kernels here) with a last chunk shorter than the others,
+    and its largest allocation a chunk's logits, not the [T, V] array."""
+    import tracemalloc
+
+    from topq.ir.sampling import head_nll, token_nll
+
+    rng = np.random.default_rng(1)
+    hidden = rng.normal(size=(150, 96)).astype(np.float32)
+    head = (rng.normal(size=(4096, 96)) * 0.2).astype(np.float32)
+    targets = rng.integers(0, 4096, size=150)
+    want = token_nll(hidden @ head.T, targets)
+    assert abs(head_nll(hidden, head, targets, rows=64) - want) <= 1e-12 * abs(want)
+    assert head_nll(hidden, head, targets, rows=200) == token_nll(hidden @ head.T, targets)  # one chunk: the same
+    tracemalloc.start()
+    try:
+        head_nll(hidden, head, targets, rows=32)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    chunk, whole = 32 * 4096 * 4, 150 * 4096 * 4
+    assert chunk <= peak < chunk + whole // 4
+
+
 def test_token_nll_matches_torch_cross_entropy_on_a_49k_vocabulary() -> None:
     """`token_nll` (float32 exponentials, float64 sums; what perplexity and int8's search use) against torch's
     float64 cross entropy on SmolLM2-sized logits: within 1e-6 nats per token."""

@@ -53,7 +53,7 @@ from topq.ir.int8 import QMAX, quantize_weight
 from topq.ir.interpreter import Interpreter, Step
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden
 from topq.ir.rewrite import Rewriter, apply_patterns
-from topq.ir.sampling import token_nll
+from topq.ir.sampling import head_nll
 from topq.ir.threads import blas_threads, fixed_threads
 from topq.ir.types import ELEMENT_TYPES, TensorType, round_to_dtype
 from topq.quant.observers import Observer
@@ -605,6 +605,11 @@ class _Evaluation:
     ppl: float
     kept: list[dict[int, np.ndarray]]
 
+    def trim(self, last: int) -> None:
+        """Drop the states no later evaluation can resume from: those in front of layers after `last`, and the
+        dense ones between every KEEP_EVERY-th layer (the sensitivity pass's)."""
+        self.kept = [{c: h for c, h in states.items() if c <= last and c % KEEP_EVERY == 0} for states in self.kept]
+
 
 def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
                     dynamic: bool, values: Mapping[str, QuantizedWeight],
@@ -662,14 +667,14 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
         return mixed(set(names)).run("embedding", [w[None].astype(np.int32)])[0]
 
     def nll(bf16: set[str], h: np.ndarray, w: np.ndarray, first_layer: int = 0,
-            keep: dict[int, np.ndarray] | None = None, every: int = KEEP_EVERY) -> float:
+            keep: dict[int, np.ndarray] | None = None, every: int = KEEP_EVERY, last: int = spec.num_layers) -> float:
         interp = mixed(bf16)
         for i in range(first_layer, spec.num_layers):
-            if keep is not None and i % every == 0:
+            if keep is not None and i % every == 0 and i <= last:
                 keep[i] = h
             h = interp.run(f"block_{i}", [h, positions])[0]
         h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
-        return token_nll(h[0, :-1] @ head.T, w[1:], overwrite=True)  # the logits are this call's own
+        return head_nll(h[0, :-1], head, w[1:])  # a few positions' logits at a time
 
     pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="topq-int8")
 
@@ -678,11 +683,13 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
 
     reused = 0  # layer runs (per window) the search's evaluations took from earlier ones
 
-    def evaluate(bf16: set[str], earlier: Sequence[_Evaluation] = (), dense: int = 0) -> _Evaluation:
+    def evaluate(bf16: set[str], earlier: Sequence[_Evaluation] = (), dense: int = 0,
+                 last: int = spec.num_layers) -> _Evaluation:
         """Held-out perplexity with `bf16` in bf16. Each window resumes from the latest hidden state an `earlier`
         evaluation kept in front of a layer before which both agree on every linear: the same inputs into the
-        same kernels, so the same bits as a run from the embedding. The first `dense` windows keep the state in
-        front of every layer (the sensitivity pass's prefixes)."""
+        same kernels, so the same bits as a run from the embedding. States are kept in front of layers up to
+        `last` only (later evaluations resume no later); the first `dense` windows keep the state in front of
+        every layer (the sensitivity pass's prefixes)."""
         nonlocal reused
         start, base = 0, None
         for other in earlier:  # every evaluation keeps the states in front of layers 0, KEEP_EVERY, 2·KEEP_EVERY…
@@ -695,9 +702,9 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
             w, every = held_out[i], 1 if i < dense else KEEP_EVERY
             if base is None:
                 keep: dict[int, np.ndarray] = {}
-                return nll(bf16, embed(w), w, 0, keep, every), keep
+                return nll(bf16, embed(w), w, 0, keep, every, last), keep
             keep = {c: h for c, h in base.kept[i].items() if c < start and c % KEEP_EVERY == 0}  # the shared prefix
-            return nll(bf16, base.kept[i][start], w, start, keep, every), keep
+            return nll(bf16, base.kept[i][start], w, start, keep, every, last), keep
 
         results = each(window, range(len(held_out)))
         reused += start * len(held_out)
@@ -730,18 +737,32 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
 
                 damage = dict(zip(names, each(sensitivity, names)))
                 bar.close()
+                del prefixes  # the probe windows' dense states: `trim` below frees them
                 order = sorted(names, key=lambda n: -damage[n])
                 lo, hi = 0, len(order)  # invariant: keeping order[:hi] in bf16 meets the budget (all bf16 does)
+                # Every later evaluation keeps order[:m] in bf16 for some lo < m < hi, so it resumes from the lower
+                # end no later than order[lo]'s layer and from the upper end no later than order[hi - 1]'s: the
+                # ends keep no state in front of a later layer (memory only; the same evaluations).
+                def lower_last(end: int) -> int:  # the latest layer a resume from lower end `end` can start at
+                    return layer_of[order[end]]
+
+                def upper_last(end: int) -> int:
+                    return layer_of[order[end - 1]]
+
+                kept[lo].trim(lower_last(lo))
+                kept[hi].trim(upper_last(hi))
                 results = {hi: reference, 0: current}
                 bar = progress_bar(total=max(1, math.ceil(math.log2(len(order) + 1))), desc="int8 mixed precision",
                                    unit="eval")
                 while hi - lo > 1:
                     mid = (lo + hi) // 2
-                    kept[mid] = evaluate(set(order[:mid]), [kept[lo], kept[hi]])
+                    kept[mid] = evaluate(set(order[:mid]), [kept[lo], kept[hi]],
+                                         last=max(lower_last(mid), upper_last(mid)))
                     results[mid] = kept[mid].ppl
                     bar.set_postfix_str(f"{mid} bf16: ppl {results[mid]:.3f} / {limit:.3f}")
                     bar.update()
                     lo, hi = (lo, mid) if results[mid] <= limit else (mid, hi)
+                    kept[mid].trim(upper_last(mid) if hi == mid else lower_last(mid))
                     kept = {lo: kept[lo], hi: kept[hi]}
                 bar.close()
                 chosen, current = order[:hi], results[hi]

@@ -101,8 +101,8 @@ def test_repetition_penalty_generation_matches_transformers(tiny_host: TinyFacto
 
 def test_head_nll_is_token_nll_without_the_whole_logits() -> None:
     """`head_nll` (int8's search) is `token_nll` of the head's product, a few positions' logits at a time: the same
-    value (to 1e-12 relative; bit for bit with OpenBLAS's kernels here) with a last chunk shorter than the others,
-    and its largest allocation a chunk's logits, not the [T, V] array."""
+    value (to 1e-6 relative on any BLAS; bit for bit with the OpenBLAS kernels measured) with a last chunk shorter
+    than the others, and its largest allocation a chunk's logits, not the [T, V] array."""
     import tracemalloc
 
     from topq.ir.sampling import head_nll, token_nll
@@ -112,7 +112,7 @@ def test_head_nll_is_token_nll_without_the_whole_logits() -> None:
     head = (rng.normal(size=(4096, 96)) * 0.2).astype(np.float32)
     targets = rng.integers(0, 4096, size=150)
     want = token_nll(hidden @ head.T, targets)
-    assert abs(head_nll(hidden, head, targets, rows=64) - want) <= 1e-12 * abs(want)
+    assert abs(head_nll(hidden, head, targets, rows=64) - want) <= 1e-6 * abs(want)
     assert head_nll(hidden, head, targets, rows=200) == token_nll(hidden @ head.T, targets)  # one chunk: the same
     tracemalloc.start()
     try:

@@ -19,7 +19,8 @@ W4, group 64, asymmetric, lm_head float (topq's rows keep it bf16). Methods:
 
 Prints one JSON line: the perplexity on the evaluation ids (independent `--window`-token windows, as
 `topq.core.runtime.perplexity`) and `seconds`, the wall time of loading the Hugging Face checkpoint and quantizing
-(not of the GGUF conversion or the evaluation).
+(not of the GGUF conversion or the evaluation), and `peak_rss_mib`, this process's peak RSS (its own, not its
+parent's: benchmarks/peak_rss.py), evaluation included.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from peak_rss import own_peak_mib  # benchmarks/ (this script's directory: the peers' Python does not have topq)
 
 WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}
 
@@ -133,7 +135,8 @@ def main() -> int:
         llm_compressor(model, windows, args.method, checkpoint)
     seconds = time.perf_counter() - started
     model.eval()
-    print(json.dumps({"perplexity": perplexity(model, np.load(args.eval), args.window), "seconds": seconds}))
+    ppl = perplexity(model, np.load(args.eval), args.window)
+    print(json.dumps({"perplexity": ppl, "seconds": seconds, "peak_rss_mib": own_peak_mib()}))
     return 0
 
 

@@ -9,8 +9,9 @@ Setting (shared with benchmarks/quant_quality.py): calibration `--samples` × `-
 00_EMMA.txt, perplexity on the first `--eval-windows` × `--window` tokens of 03_Persuasion.txt, 4-bit group 64
 asymmetric, lm_head bf16; int8 mixed precision with SmoothQuant α = 0.5 and a perplexity budget of 1.03 × bf16 on
 held-out calibration text. Each conversion runs in a child process of its own: "seconds" is its wall time (model read,
-calibration, solve, bundle), "peak RSS" the child's `ru_maxrss` from `wait4`; perplexity is measured after, in
-this process, on the bundle.
+calibration, solve, bundle), "peak RSS" the largest of the child's own and its workers' (`benchmarks/peak_rss.py`:
+not `ru_maxrss`, which would start at this process's peak); perplexity is measured after, in this process, on the
+bundle.
 
 Peers: llm-compressor (GPTQ with static act-order, AWQ) and auto-round run in their own Python, `--peer-python`
 (default `.venv-peers/bin/python`, made by `bash benchmarks/setup_peers.sh`: llm-compressor pins another
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.peak_rss import own_peak_mib  # noqa: E402
 from benchmarks.quant_quality import add_setting_arguments, build_recipe  # noqa: E402
 
 #: row key → (method, scheme, extra quant options); AutoRound's steps come from --iters
@@ -100,6 +102,7 @@ def convert_one(args: argparse.Namespace) -> int:
     if scheme == "int8":
         quant["table"] = str(Path(args.out).with_suffix(".table.yaml"))
     convert(build_recipe(args, scheme, Path(args.out), **quant), progress=False, jobs=args.jobs)
+    print(json.dumps({"peak_rss_mib": own_peak_mib()}))  # the last line of stdout: what the parent reads
     return 0
 
 
@@ -115,15 +118,18 @@ def run_child(args: argparse.Namespace, key: str, out: Path, root: Path = ROOT) 
               if name in SETTING and value is not None)]
     env = {**os.environ, "PYTHONPATH": str(root)}
     started = time.perf_counter()
-    child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert child.stderr is not None
-    err = child.stderr.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    seconds = time.perf_counter() - started
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise SystemExit(f"{key}: conversion failed ({child.returncode}):\n{err.decode(errors='replace')[-2000:]}")
-    return {"seconds": round(seconds, 1), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}  # ru_maxrss is KiB
+    with tempfile.TemporaryFile() as stdout:
+        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.PIPE)
+        assert child.stderr is not None
+        err = child.stderr.read()
+        _, status, _ = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - started
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode != 0:
+            raise SystemExit(f"{key}: conversion failed ({child.returncode}):\n{err.decode(errors='replace')[-2000:]}")
+        stdout.seek(0)
+        measured = json.loads(stdout.read().decode().strip().splitlines()[-1])
+    return {"seconds": round(seconds, 1), "peak_rss_mib": round(measured["peak_rss_mib"], 1)}
 
 
 def peer_importable(python: Path, module: str) -> bool:
@@ -157,7 +163,7 @@ def run_peer(args: argparse.Namespace, method: str, windows: Path, ids: Path) ->
     env = {**os.environ, "OMP_NUM_THREADS": str(args.jobs)}  # torch's threads: as many as topq's jobs
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)
+        _, status, _ = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
@@ -166,7 +172,7 @@ def run_peer(args: argparse.Namespace, method: str, windows: Path, ids: Path) ->
                              f"{err.read().decode(errors='replace')[-3000:]}")
         result = json.loads(out.read().decode().strip().splitlines()[-1])
     return {"perplexity": round(result["perplexity"], 3), "seconds": round(result["seconds"], 1),
-            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
+            "peak_rss_mib": round(result["peak_rss_mib"], 1)}
 
 
 SETTING = ("model", "calibration", "eval_text", "samples", "seq_len", "seed", "eval_windows", "window", "iters",

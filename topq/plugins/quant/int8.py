@@ -56,6 +56,7 @@ from topq.ir.rewrite import Rewriter, apply_patterns
 from topq.ir.sampling import head_nll
 from topq.ir.threads import blas_threads, fixed_threads
 from topq.ir.types import ELEMENT_TYPES, TensorType, round_to_dtype
+from topq.quant.memory import keep_freed_memory
 from topq.quant.observers import Observer
 from topq.quant.program import ProgramSource, build_calibration_program, open_weights, program_source
 from topq.quant.sites import MLP_HIDDEN, shared_input_sites
@@ -907,6 +908,7 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
         raise TopqError("quant scheme int8 does not support mixture-of-experts models (routed expert linears); "
                         "use rtn, gptq, awq or autoround")
     opts = Int8Options.from_recipe(recipe)
+    keep_freed_memory()  # the observer pass, the search and the report allocate the same large temporaries again
     jobs = int(executor.jobs) if executor is not None and executor.name == "local" else 1  # threads of this process
     linears = _linear_names(model)
     store = model.checkpoint.weights

@@ -333,26 +333,43 @@ def test_the_error_report_holds_one_layers_float_weights_at_a_time(tiny: dict[st
         assert rows == result.report
 
 
-def test_the_search_holds_its_bf16_linears_in_bf16(tiny: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mixed-precision search keeps each linear it runs in bf16 as a bf16 array (half of float32's memory, 200 MB
-    at SmolLM2), widened exactly per product."""
+def test_the_search_holds_its_linears_in_the_spill_and_bf16_in_bf16(tiny: dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mixed-precision search keeps each linear's int8 codes and its bf16 form (a bf16 array: half of
+    float32's memory, 200 MB at SmolLM2, widened exactly per product) in the spill, one map per layer and form,
+    and releases a layer's pages after running it."""
     import ml_dtypes
 
     from topq.core.pipeline import convert
     from topq.plugins.quant import int8
+    from topq.quant.spill import mapping_of
 
-    held: list[dict[str, np.ndarray]] = []
-    init = int8._MixedInterpreter.__init__
+    held: list[Any] = []
+    released: list[int] = []
+    init, release = int8._SearchForms.__init__, int8._SearchForms.release
 
-    def spy(self: Any, module: Any, weights: Any, codes: Any, floats: dict[str, np.ndarray]) -> None:
-        held.append(floats)
-        init(self, module, weights, codes, floats)
+    def spy(self: Any, *args: Any) -> None:
+        held.append(self)
+        init(self, *args)
 
-    monkeypatch.setattr(int8._MixedInterpreter, "__init__", spy)
+    def spy_release(self: Any, layer: int) -> None:
+        released.append(layer)
+        release(self, layer)
+
+    monkeypatch.setattr(int8._SearchForms, "__init__", spy)
+    monkeypatch.setattr(int8._SearchForms, "release", spy_release)
     convert(recipe_for(tiny, "int8", name="mixed-bf16", table=str(tiny["root"] / "mixed-bf16.yaml"), budget=1.0,
                        calibration={"samples": 8}), progress=False)
-    floats = held[0]
-    assert len(floats) == 14 and all(w.dtype == ml_dtypes.bfloat16 for w in floats.values())
+    [forms] = held
+    floats = forms._bf16
+    assert len(floats) == len(forms.codes) == 14 and all(w.dtype == ml_dtypes.bfloat16 for w in floats.values())
+    layers = sorted(forms._names)
+    assert layers == [0, 1] and set(released) == set(layers)
+    for form in (floats, {n: codes for n, (codes, _) in forms.codes.items()}):
+        maps = {layer: {id(mapping_of(form[n])) for n in forms._names[layer]} for layer in layers}
+        assert all(len(ids) == 1 and None not in {mapping_of(form[n]) for n in forms._names[layer]}
+                   for layer, ids in maps.items())  # one map per layer
+        assert maps[0] != maps[1]
 
 
 def test_right_shift_round_is_tpu_mlirs_formula() -> None:

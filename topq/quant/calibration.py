@@ -73,6 +73,7 @@ from topq.quant.options import (
 from topq.quant.program import ProgramSource, calibration_program, program_source
 from topq.quant.reuse import Cache, LayerValues, inner_key
 from topq.quant.sites import INPUT, FoldTarget, group_sites
+from topq.quant.spill import Spill, move_quantized, spill_directory
 
 if TYPE_CHECKING:
     from topq.core.pipeline import LoadedModel
@@ -302,11 +303,13 @@ class LayerState:
     `version` changes on every write so the interpreter knows to reload its weights."""
 
     def __init__(self, model_weight: Callable[[str], np.ndarray], extra: Mapping[str, np.ndarray] | None = None,
-                 scale_dtype: str = "f32") -> None:
+                 scale_dtype: str = "f32", spill: Spill | None = None) -> None:
         self._model_weight = model_weight
         self._extra = dict(extra or {})
         self.scale_dtype = scale_dtype
         self.result = CalibrationResult()
+        self._spill = spill
+        self._spilled: set[str] = set()  # quantized linears whose arrays `end_layer` moved to the spill
         self._float_cache: dict[str, np.ndarray] = {}
         self._dequant_cache: dict[str, np.ndarray] = {}
         self.version = 0
@@ -429,9 +432,14 @@ class LayerState:
                                        "ratio": float(error / rtn_error) if rtn_error > 0 else 0.0})
 
     def end_layer(self) -> None:
-        """Drop cached float copies of the finished layer (memory stays at one layer's weights)."""
+        """Drop cached float copies of the finished layer and move its quantized values to the spill, if there is
+        one (memory stays at one layer's weights; `topq.quant.spill`)."""
         self._float_cache.clear()
         self._dequant_cache.clear()
+        if self._spill is not None:
+            moved = move_quantized(self._spill, {n: qw for n, qw in self.result.items() if n not in self._spilled})
+            self.result.update(moved)
+            self._spilled.update(moved)
 
 
 # ================================================================================ the graph side
@@ -939,7 +947,8 @@ def _weights_read(function: Function) -> list[str]:
 def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver, options: Mapping[str, Any],
                     progress: bool = True, desc: str = "calibrate", executor: TaskExecutor | None = None,
                     observe: Callable[[int], Any] = InputStats, expert_fallback: bool = True,
-                    layer_tuner: LayerTuner | None = None, folds: bool = False) -> CalibrationResult:
+                    layer_tuner: LayerTuner | None = None, folds: bool = False,
+                    spill_dir: str | Path | None = None) -> CalibrationResult:
     """Quantize every decoder-layer linear of `model` with `solve`, layer by layer (see the module doc).
 
     `folds`: `solve` may fold group input scales into earlier ops (`GroupInputs.fold`; AWQ), so the loop also keeps
@@ -963,7 +972,10 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     A layer that `layer_tuner` covers is quantized by it as a whole instead of group by group. Its objective is
     the float model's output of the layer, so while any layer is tuned so, the loop carries the float model's
     hidden states beside the quantized model's: the tuner returns them for its layers, and a layer it does not
-    cover computes them with its float weights (one more pass over the samples)."""
+    cover computes them with its float weights (one more pass over the samples).
+
+    Each finished layer's quantized values go to a temporary file in `spill_dir` (default: the temporary
+    directory), read back through maps (`topq.quant.spill`), so that they do not add up in memory."""
     executor = executor if executor is not None else InlineExecutor()
     keep_freed_memory()  # every layer allocates the same large temporaries again (forked workers inherit it)
     windows = np.asarray(windows, dtype=np.int32)
@@ -971,7 +983,9 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
     spec, family = model.spec, model.family
     source = program_source(model, seq_len)
     module, _, _ = calibration_program(source, family, spec)
-    state = LayerState(model.weight, rope_weights(spec, seq_len), scale_dtype=str(options.get("act_dtype", "f32")))
+    spill = Spill(spill_dir)
+    state = LayerState(model.weight, rope_weights(spec, seq_len), scale_dtype=str(options.get("act_dtype", "f32")),
+                       spill=spill)
     hidden = _embed(module, state, windows)
     plans = [_find_groups(module[f"block_{i}"], family, spec, i) for i in range(spec.num_layers)]
     for plan in (p for layer_plans in plans for p in layer_plans):  # fail before hours of calibration, not after
@@ -1068,6 +1082,7 @@ def run_calibration(model: LoadedModel, windows: np.ndarray, solve: GroupSolver,
                 bar.update()
         finally:
             bar.close()
+            spill.close()
             _STEPS.table.clear()
             if tasks is not executor:
                 tasks.close()
@@ -1239,7 +1254,7 @@ def calibration_scheme(name: str, description: str, *, solve: WeightSolver | Non
         options = options_of(recipe.to_dict()["quant"])
         windows = calibration_windows(model, recipe)
         return run_calibration(model, windows, solve_group, options, desc=name, executor=executor, observe=observe,
-                               layer_tuner=layer_tuner, folds=folds)
+                               layer_tuner=layer_tuner, folds=folds, spill_dir=spill_directory(recipe.output.path))
 
     def quantize(weight: np.ndarray, options: Mapping[str, Any]) -> QuantizedWeight:
         # Weights outside the decoder layers (e.g. `quant.lm_head: gptq`) have no calibration: round to nearest.

@@ -60,6 +60,7 @@ from topq.quant.memory import keep_freed_memory
 from topq.quant.observers import Observer
 from topq.quant.program import ProgramSource, build_calibration_program, open_weights, program_source
 from topq.quant.sites import MLP_HIDDEN, shared_input_sites
+from topq.quant.spill import Spill, move_quantized, release, spill_directory
 
 OPTIONS = (
     Option("observer", Field("str", "minmax", choices=("minmax", "percentile", "kl"),
@@ -548,26 +549,52 @@ class _MixedInterpreter(Interpreter):
     """Runs an all-int8 program with a chosen set of linears switched back to their (smoothed) bf16 weights; the
     int8 ones compute exactly as a host bundle does (`top.MatMulInt8` on their codes and scales)."""
 
-    def __init__(self, module: Module, weights: Callable[[str], np.ndarray],
-                 codes: Mapping[str, tuple[np.ndarray, np.ndarray]], floats: dict[str, np.ndarray]) -> None:
+    def __init__(self, module: Module, weights: Callable[[str], np.ndarray], forms: _SearchForms) -> None:
         super().__init__(module, weights)
         self.bf16: set[str] = set()
-        self._float = floats  # shared by the search's interpreters, as `codes` (`_codes_of`)
-        self._codes = codes
+        self._forms = forms  # shared by the search's interpreters
 
     def run_op(self, step: Step, inputs: list[np.ndarray]) -> list[np.ndarray]:
         if step.op.name == "top.A8MatMul":
             name = str(weight_name(step.op.operands[1]))
-            if name in self.bf16:
-                w = self._float.get(name)
-                if w is None:  # codes * scale is not the float weight: rebuild it from the smoothed one
-                    w = self._float[name] = self.weights(f"{name}.float")
-                # kept in bf16 (half the memory of every linear's float32), widened exactly per product
-                w = w.astype(np.float32)
+            if name in self.bf16:  # stored in bf16 (half the memory of float32), widened exactly per product
+                w = self._forms.bf16(name).astype(np.float32)
                 return REFERENCE_OPS["top.MatMul"]([inputs[0], w, *inputs[2:]], {"right_transpose": True})
-            codes, scale = self._codes[name]
+            codes, scale = self._forms.codes[name]
             return REFERENCE_OPS["top.MatMulInt8"]([inputs[0], codes, scale, *inputs[2:]], step.attrs)
         return step.kernel(inputs, step.attrs)
+
+
+class _SearchForms:
+    """The two forms of every linear the search switches between, out of its resident memory: the int8 codes (the
+    values, moved to the spill a layer to a map by `calibrate`) and the smoothed weight in bf16 (codes * scale is not
+    the float weight), built from the checkpoint a layer at a time when first needed and moved to the spill too.
+    A thread that has run a layer releases that layer's pages (`release`), so the search holds about one layer
+    per thread instead of the model's every linear twice (`topq.quant.spill`)."""
+
+    def __init__(self, values: Mapping[str, QuantizedWeight], build: Callable[[str], np.ndarray],
+                 layer_of: Mapping[str, int], spill: Spill) -> None:
+        self.codes = _codes_of(values)
+        self._build, self._layer_of, self._spill = build, layer_of, spill
+        self._names: dict[int, list[str]] = {}
+        for name in values:
+            self._names.setdefault(layer_of[name], []).append(name)
+        self._bf16: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()  # one thread builds a layer's bf16 forms, the others wait for them
+
+    def bf16(self, name: str) -> np.ndarray:
+        w = self._bf16.get(name)
+        if w is None:
+            with self._lock:
+                if name not in self._bf16:
+                    names = self._names[self._layer_of[name]]
+                    self._bf16.update(zip(names, self._spill.move([self._build(n) for n in names])))
+            w = self._bf16[name]
+        return w
+
+    def release(self, layer: int) -> None:
+        names = self._names.get(layer, [])
+        release([self.codes[n][0] for n in names] + [self._bf16[n] for n in names if n in self._bf16])
 
 
 def _one_copy(load: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
@@ -614,7 +641,7 @@ class _Evaluation:
 
 def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
                     dynamic: bool, values: Mapping[str, QuantizedWeight],
-                    floats: Mapping[str, np.ndarray], jobs: int = 1) -> dict[str, Any]:
+                    floats: Mapping[str, np.ndarray], jobs: int = 1, spill: Spill | None = None) -> dict[str, Any]:
     """Keep the most damaging linears in bf16 until held-out perplexity ≤ budget × the all-bf16 model's.
 
     1. sensitivity: each linear alone in int8 (everything else bf16), perplexity on the first held-out windows
@@ -627,7 +654,8 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
 
     Its forwards (one per linear in 1, one per window in 2) run on `jobs` threads, each with an interpreter of its
     own and one BLAS thread (as the layer loop's); results are combined in order, so the outcome does not depend
-    on `jobs`.
+    on `jobs`. The linears' int8 and bf16 forms live in `spill` (default: one in the temporary directory), each
+    thread holding the layer it runs (`_SearchForms`).
     """
     module = cm.module
     rewrite_program(module, plan, cm.sites, dynamic)
@@ -638,14 +666,14 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
 
     rope = rope_weights(spec, cm.seq_len)
     eff = lambda n: _effective(model.checkpoint.weights.get, n, plan.smooth, cm.sites)  # noqa: E731
-    codes, rebuilt = _codes_of(values), {}
+    layer_of = _layers_of(module, spec.num_layers)
+    forms = _SearchForms(values, lambda n: np.asarray(eff(n), np.float32).astype(ELEMENT_TYPES[SCALE_DTYPE]),
+                         layer_of, spill if spill is not None else Spill())
 
     def weights(n: str) -> np.ndarray:
         if n in rope:
             return rope[n]
-        if n.endswith(".float"):  # stored in bf16: `_MixedInterpreter` widens it per product
-            return np.asarray(eff(n[: -len(".float")]), np.float32).astype(ELEMENT_TYPES[SCALE_DTYPE])
-        if n in codes:  # a top.A8MatMul's weight operand: `_MixedInterpreter` reads the codes or `.float` instead
+        if n in forms.codes:  # a top.A8MatMul's weight operand: `_MixedInterpreter` reads one of its forms instead
             return np.broadcast_to(np.float32(0), tuple(model.checkpoint.weights.shape(n)))
         return host(n)
 
@@ -654,7 +682,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
 
     def mixed(bf16: set[str]) -> _MixedInterpreter:  # this thread's interpreter, running `bf16` in bf16
         if not hasattr(local, "interp"):
-            local.interp = _MixedInterpreter(module, shared, codes, rebuilt)
+            local.interp = _MixedInterpreter(module, shared, forms)
         local.interp.bf16 = bf16
         return local.interp
 
@@ -662,7 +690,6 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     norm = shared(family.global_weights["final_norm"])
     positions = np.arange(cm.seq_len, dtype=np.int32)[None]
     names = list(plan.modes)
-    layer_of = _layers_of(module, spec.num_layers)
 
     def embed(w: np.ndarray) -> np.ndarray:
         return mixed(set(names)).run("embedding", [w[None].astype(np.int32)])[0]
@@ -674,6 +701,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
             if keep is not None and i % every == 0 and i <= last:
                 keep[i] = h
             h = interp.run(f"block_{i}", [h, positions])[0]
+            forms.release(i)
         h = REFERENCE_OPS["top.RMSNorm"]([h, norm], {"eps": spec.rms_norm_eps})[0]
         return head_nll(h[0, :-1], head, w[1:])  # a few positions' logits at a time
 
@@ -878,6 +906,7 @@ def error_report(model: Any, plan: Int8Plan, linears: frozenset[str], windows: n
                     total[1] += r
             hidden = [h for h, _ in results]
             del results, run, local, shared
+            release(array for form in forms.values() for array in form)  # the spilled codes (`calibrate`)
             forms.clear()
             bar.update()
     bar.close()
@@ -936,9 +965,18 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
             windows, held_out = windows[:cut], windows[cut:]
         plan, cm = calibrate_plan(model, windows, linears, opts, executor)
         if opts.budget is not None:  # every planned linear is int8 until the search sends some back to bf16
-            values = int8_values(store.get, plan, cm.sites)
-            plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic,
-                                                           values, float_rewrites(store.get, plan, cm.sites), jobs)
+            spill = Spill(spill_directory(recipe.output.path))
+            layer_of = _layers_of(cm.module, model.spec.num_layers)
+            planned, values = int8_values(store.get, plan, cm.sites), {}
+            try:
+                for layer in sorted({layer_of[n] for n in planned}):  # a map a layer: the search releases it whole
+                    values.update(move_quantized(spill, {n: planned.pop(n) for n in list(planned)
+                                                         if layer_of[n] == layer}))
+                plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic,
+                                                               values, float_rewrites(store.get, plan, cm.sites),
+                                                               jobs, spill)
+            finally:
+                spill.close()
         if table is not None:
             with atomic_file(table) as fh:
                 fh.write(plan.to_yaml().encode())

@@ -73,7 +73,7 @@ from topq.quant.options import (
 from topq.quant.program import ProgramSource, calibration_program, program_source
 from topq.quant.reuse import Cache, LayerValues, inner_key
 from topq.quant.sites import INPUT, FoldTarget, group_sites
-from topq.quant.spill import Spill, move_quantized, spill_directory
+from topq.quant.spill import Spill, mapping_of, move_quantized, spill_directory
 
 if TYPE_CHECKING:
     from topq.core.pipeline import LoadedModel
@@ -309,7 +309,6 @@ class LayerState:
         self.scale_dtype = scale_dtype
         self.result = CalibrationResult()
         self._spill = spill
-        self._spilled: set[str] = set()  # quantized linears whose arrays `end_layer` moved to the spill
         self._float_cache: dict[str, np.ndarray] = {}
         self._dequant_cache: dict[str, np.ndarray] = {}
         self.version = 0
@@ -437,9 +436,8 @@ class LayerState:
         self._float_cache.clear()
         self._dequant_cache.clear()
         if self._spill is not None:
-            moved = move_quantized(self._spill, {n: qw for n, qw in self.result.items() if n not in self._spilled})
-            self.result.update(moved)
-            self._spilled.update(moved)
+            self.result.update(move_quantized(self._spill, {n: qw for n, qw in self.result.items()
+                                                            if mapping_of(qw.codes) is None}))
 
 
 # ================================================================================ the graph side

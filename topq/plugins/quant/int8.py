@@ -641,7 +641,7 @@ class _Evaluation:
 
 def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.ndarray, budget: float,
                     dynamic: bool, values: Mapping[str, QuantizedWeight],
-                    floats: Mapping[str, np.ndarray], jobs: int = 1, spill: Spill | None = None) -> dict[str, Any]:
+                    floats: Mapping[str, np.ndarray], spill: Spill, jobs: int = 1) -> dict[str, Any]:
     """Keep the most damaging linears in bf16 until held-out perplexity ≤ budget × the all-bf16 model's.
 
     1. sensitivity: each linear alone in int8 (everything else bf16), perplexity on the first held-out windows
@@ -654,8 +654,8 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
 
     Its forwards (one per linear in 1, one per window in 2) run on `jobs` threads, each with an interpreter of its
     own and one BLAS thread (as the layer loop's); results are combined in order, so the outcome does not depend
-    on `jobs`. The linears' int8 and bf16 forms live in `spill` (default: one in the temporary directory), each
-    thread holding the layer it runs (`_SearchForms`).
+    on `jobs`. The linears' int8 and bf16 forms live in `spill`, each thread holding the layer it runs
+    (`_SearchForms`).
     """
     module = cm.module
     rewrite_program(module, plan, cm.sites, dynamic)
@@ -668,7 +668,7 @@ def mixed_precision(model: Any, cm: _CalibModel, plan: Int8Plan, held_out: np.nd
     eff = lambda n: _effective(model.checkpoint.weights.get, n, plan.smooth, cm.sites)  # noqa: E731
     layer_of = _layers_of(module, spec.num_layers)
     forms = _SearchForms(values, lambda n: np.asarray(eff(n), np.float32).astype(ELEMENT_TYPES[SCALE_DTYPE]),
-                         layer_of, spill if spill is not None else Spill())
+                         layer_of, spill)
 
     def weights(n: str) -> np.ndarray:
         if n in rope:
@@ -974,7 +974,7 @@ def calibrate(model: Any, recipe: Any, *, executor: Any = None) -> dict[str, Any
                                                          if layer_of[n] == layer}))
                 plan.info["mixed_precision"] = mixed_precision(model, cm, plan, held_out, opts.budget, opts.dynamic,
                                                                values, float_rewrites(store.get, plan, cm.sites),
-                                                               jobs, spill)
+                                                               spill, jobs)
             finally:
                 spill.close()
         if table is not None:

@@ -67,6 +67,41 @@ def test_layers_without_torch_kernels_use_the_per_linear_objective(loaded_tiny: 
         ["block" if kind == "full_attention" else "linear" for kind in model.spec.layer_types]
 
 
+def test_the_float_outputs_overwrite_the_float_inputs_and_are_the_float_models(
+        loaded_tiny: Any, ids: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner writes the float layer's outputs (its targets, and the next layer's float inputs) into the float
+    inputs' buffer, not a second [samples, L, H] array; and they are transformers' float hidden states."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import topq.quant.calibration as calibration
+    from topq.quant.calibration import LayerInputs, LayerState, LayerTuner
+
+    run_calibration = calibration.run_calibration
+    seen: list[tuple[bool, bool, np.ndarray]] = []
+    windows: list[np.ndarray] = []
+
+    def spying(*args: Any, layer_tuner: LayerTuner, **kwargs: Any) -> Any:
+        def tune(layer: LayerInputs, state: LayerState, options: Any) -> np.ndarray:
+            float_inputs, inputs = layer.float_inputs, layer.inputs.copy()
+            out = layer_tuner.tune(layer, state, options)
+            seen.append((out is float_inputs, np.array_equal(layer.inputs, inputs), out.copy()))
+            return out
+
+        windows.append(np.asarray(args[1]))
+        return run_calibration(*args, layer_tuner=LayerTuner(layer_tuner.covers, tune), **kwargs)
+
+    monkeypatch.setattr(calibration, "run_calibration", spying)
+    _calibrate(loaded_tiny, "llama", ids, iters=2, batch_size=4)
+    assert [(same, kept) for same, kept, _ in seen] == [(True, True), (True, True)]  # the quantized inputs kept
+    hf = AutoModelForCausalLM.from_pretrained(loaded_tiny("llama", 32).checkpoint.path, dtype=torch.float32)
+    with torch.no_grad():
+        states = hf(torch.from_numpy(windows[0]).long(), output_hidden_states=True).hidden_states
+    # layer 0's float outputs are the float model's hidden states after it (the last entry is after the final norm)
+    np.testing.assert_allclose(seen[0][2], states[1].numpy(), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(seen[1][2], seen[0][2], atol=1e-2)  # layer 1 ran on layer 0's outputs
+
+
 def test_a_bad_objective_and_a_batch_without_minibatches_are_refused(loaded_tiny: Any, ids: Path) -> None:
     with pytest.raises(TopqError, match="objective"):
         _calibrate(loaded_tiny, "llama", ids, objective="layer")

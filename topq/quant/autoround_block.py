@@ -76,13 +76,13 @@ def tune(layer: LayerInputs, state: LayerState, options: Mapping[str, Any]) -> n
 
     float_weights = weights_of([r.w for r in roundings])
 
-    # the float layer's outputs: the targets, and the next layer's float inputs; filled by the shards in place (no
-    # concatenation on the converting thread while the workers wait)
-    targets = np.empty(layer.float_inputs.shape, dtype=np.float32)
+    # the float layer's outputs: the targets, and the next layer's float inputs. Each shard overwrites its own rows
+    # of the float inputs, which nothing reads after (`LayerInputs`): one [samples, L, H] buffer, not two
+    targets = layer.float_inputs
 
     def float_outputs(rows: np.ndarray) -> None:
         with torch.no_grad():
-            targets[rows] = run(layer.float_inputs[rows], float_weights).numpy()
+            targets[rows] = run(targets[rows], float_weights).numpy()
 
     def loss_of(rows: np.ndarray, weights: Mapping[str, Any]) -> float:
         with torch.no_grad():

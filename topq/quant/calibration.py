@@ -471,7 +471,9 @@ class GroupInputs:
 class LayerInputs:
     """One decoder layer as a layer tuner sees it (`LayerTuner`): the tuner quantizes every linear of the layer at
     once, on the layer's output. `inputs` are what the quantized model feeds the layer (the quantized layers
-    before it), `float_inputs` what the float model feeds it; both [samples, L, H], read-only."""
+    before it), read-only (the loop runs the quantized layer on them next); `float_inputs` what the float model
+    feeds it, which the tuner may overwrite with the float layer's outputs (what it returns; the loop does not
+    read them again). Both [samples, L, H]."""
 
     layer: int
     module: Module
@@ -487,7 +489,7 @@ class LayerTuner:
     """A scheme's whole-layer solver (AutoRound's block objective). `covers(function, options)`: it tunes this
     layer (else the layer's groups go to the group solver, as for any scheme). `tune(layer, state, options)`
     publishes the layer's quantized linears through `state` and returns the float model's outputs of the layer
-    [samples, L, H] (the next layer's `float_inputs`)."""
+    [samples, L, H] (the next layer's `float_inputs`; may be this layer's `float_inputs` buffer, overwritten)."""
 
     covers: Callable[[Function, Mapping[str, Any]], bool]
     tune: Callable[[LayerInputs, LayerState, Mapping[str, Any]], np.ndarray]

@@ -84,6 +84,28 @@ def test_bf16_products_do_not_depend_on_torchs_thread_count(m: int, k: int, n: i
     np.testing.assert_array_equal(results[0], results[1])
 
 
+@pytest.mark.parametrize("kind", ["f32", "bf16"])
+@pytest.mark.parametrize(("tokens", "k"), [(512, 576), (512, 1536), (256, 600), (40, 48)])
+def test_the_gram_strips_are_the_whole_products_rows(kind: str, tokens: int, k: int) -> None:
+    """The Hessians' Gram sums mirror the strips' upper triangle: that is the whole product only if the strips are
+    its rows to the bit and it is symmetric (torch's bf16 product has no syrk: the strips are products of their
+    own)."""
+    x = np.random.default_rng(k).standard_normal((tokens, k), dtype=np.float32)
+    x *= np.exp(np.random.default_rng(1).standard_normal(k, dtype=np.float32))  # channels of unequal scale
+    with products.products(kind):
+        whole = products.matmul(x.T, x)
+        strips = products.gram_upper(x)
+    starts = list(range(0, k, products.GRAM_STRIP))
+    assert len(strips) == len(starts)
+    for start, strip in zip(starts, strips):
+        assert strip.dtype == np.float32
+        np.testing.assert_array_equal(strip, whole[start:start + products.GRAM_STRIP, start:])
+    np.testing.assert_array_equal(whole, whole.T)
+    if kind == "bf16":
+        np.testing.assert_array_equal(whole, _bf16(whole))  # bf16 products, not numpy's
+        assert not np.array_equal(whole, x.T @ x)
+
+
 def test_torch_threads_are_restored_and_untouched_for_float32() -> None:
     before = torch.get_num_threads()
     with products.torch_threads("f32", before + 1):

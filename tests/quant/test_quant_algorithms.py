@@ -23,15 +23,18 @@ from topq.plugins.quant import gptq as gptq_module
 from topq.plugins.quant.autoround import ROW_CHUNK, autoround
 from topq.plugins.quant.autoround import solve_group as autoround_group
 from topq.plugins.quant.awq import awq, awq_clip_search, awq_scale_search
-from topq.plugins.quant.gptq import _upper_inverse_factor, gptq, row_blocks
+from topq.plugins.quant.gptq import _upper_inverse_factor, gptq
 from topq.quant.calibration import GroupInputs, LayerState
 from topq.quant.grid import (
     code_range,
+    REPORT_ROWS,
     fake_quant,
     output_error,
+    output_errors,
     params_from_range,
     quantize_groups,
     resolve_group_size,
+    row_blocks,
     rtn,
     search_range,
 )
@@ -220,6 +223,23 @@ def test_gptq_mse_scale_search_lowers_the_error(problem: Any, static_groups: boo
         gptq(w, h, 4, 32, False, scale_search="l1")
 
 
+@pytest.mark.parametrize(("rows", "k"), [(2880, 576), (9216, 576), (1728, 1536), (300, 64)])
+def test_the_report_products_in_row_blocks_on_threads_are_one_products_rows(rows: int, k: int) -> None:
+    """The error report multiplies blocks of its rows on the layer loop's threads: each row's sum is the one
+    product's, to the bit (SmolLM2's report rows of q/k/v, gate/up and down: 3 parts of every linear's rows), so the
+    report does not depend on the jobs."""
+    rng = np.random.default_rng(rows + k)
+    d = rng.standard_normal((rows, k), dtype=np.float32)
+    a = rng.standard_normal((k, k), dtype=np.float32)
+    h = a @ a.T / k
+    parts = np.split(d, [rows // 3, rows // 2])
+    one_product = np.add.reduceat(np.einsum("nk,nk->n", d @ h, d, dtype=np.float64), [0, rows // 3, rows // 2])
+    calls: list[int] = []
+    np.testing.assert_array_equal(output_errors(parts, h, threaded_map(calls)), one_product)
+    assert calls == [-(-rows // REPORT_ROWS)]
+    np.testing.assert_array_equal(output_errors(parts, h), one_product)  # serially
+
+
 @pytest.mark.parametrize("static_groups, scale_search", [(False, "minmax"), (True, "minmax"), (False, "mse")])
 def test_gptq_row_blocks_on_threads_give_the_one_block_result(problem: Any, static_groups: bool, scale_search: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,9 +247,9 @@ def test_gptq_row_blocks_on_threads_give_the_one_block_result(problem: Any, stat
     rows solved in one block."""
     w, _, h = problem
     w = np.concatenate([w, w[::-1] * 0.5, w[:37]])  # 165 rows: three uneven blocks of 20
-    assert [(b.start, b.stop) for b in row_blocks(1000)] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    assert [(b.start, b.stop) for b in row_blocks(1000, 320)] == [(0, 250), (250, 500), (500, 750), (750, 1000)]
     monkeypatch.setattr(gptq_module, "ROW_BLOCK", 20)
-    assert len(row_blocks(len(w))) == 9
+    assert len(row_blocks(len(w), gptq_module.ROW_BLOCK)) == 9
     calls: list[int] = []
     options = dict(act_order=True, static_groups=static_groups, scale_search=scale_search)
     serial = gptq(w, h, 4, 32, False, **options)
@@ -405,7 +425,7 @@ def test_autoround_row_chunks_on_threads_give_the_one_call_result(kind: str) -> 
     state = LayerState(weights.__getitem__)
     options = {"bits": 4, "group_size": 32, "symmetric": False, "iters": 20, "lr": 0.05, "calibration_matmul": kind}
     autoround_group(group, state, options)
-    assert calls == [-(-600 // ROW_CHUNK)]
+    assert calls == [-(-600 // ROW_CHUNK), -(-3 * 600 // REPORT_ROWS)]  # the solve's chunks, the report's rows
     fixed = np.arange(600) < 200
     stacked = np.concatenate([weights["q"], weights["o"]])
     with products(kind):

@@ -8,9 +8,10 @@ rounded to bf16 (nearest even), accumulated in float32 inside oneDNN, and the re
 widened back to float32 — what a bf16 target computes for a linear, not what the float32 reference computes.
 
 Which products: a `top.MatMul` by a 2-D matrix (the linears), `top.MLP`'s three projections, `top.MoE`'s router
-and experts — all through `linear` — and, through `matmul`, the calibration Hessians' Gram sums
-(`topq.quant.calibration.InputStats`) and AutoRound's per-step D·H. Attention's score and value products,
-batched `top.MatMul`s, norms and activations stay float32 numpy, as does everything outside a `products` block.
+and experts — all through `linear` —, through `gram_upper` the calibration Hessians' Gram sums
+(`topq.quant.calibration.InputStats`), and through `matmul` AutoRound's per-step D·H. Attention's score and value
+products, batched `top.MatMul`s, norms and activations stay float32 numpy, as does everything outside a `products`
+block.
 
 The choice is a context variable, so it holds for the thread (or task) that set it and nothing else: a worker
 thread or process sets it itself (the calibration tasks do, from their step). Determinism: oneDNN's bf16 product
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -31,15 +33,14 @@ import numpy as np
 
 from topq.ir.errors import TopqError
 
-__all__ = ["KINDS", "bf16_operand", "check_kind", "linear", "matmul", "products", "torch_thread_count",
-           "torch_threads"]
-
-Product = Callable[[np.ndarray, np.ndarray], np.ndarray]
+__all__ = ["GRAM_STRIP", "KINDS", "bf16_operand", "check_kind", "gram_upper", "linear", "matmul", "products",
+           "torch_thread_count", "torch_threads"]
 
 #: the kinds `products` takes: "f32" is numpy float32 (the reference), "bf16" torch bfloat16
 KINDS = ("f32", "bf16")
 
-_PRODUCT: ContextVar[Product] = ContextVar("topq_product", default=np.matmul)
+#: rows of xᵀx per product of `gram_upper`
+GRAM_STRIP = 256
 
 
 def _torch() -> Any:
@@ -63,6 +64,18 @@ def _bf16_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return y.to(torch.float32).numpy()
 
 
+def _f32_gram_upper(x: np.ndarray) -> list[np.ndarray]:
+    gram = x.T @ x  # numpy hands xᵀx to BLAS syrk: one triangle computed, mirrored
+    return [gram[start:start + GRAM_STRIP, start:] for start in range(0, x.shape[1], GRAM_STRIP)]
+
+
+def _bf16_gram_upper(x: np.ndarray) -> list[np.ndarray]:
+    torch = _torch()
+    xb = _bf16_tensor(torch, x)  # rounded once for every strip, both sides
+    return [torch.matmul(xb[:, start:start + GRAM_STRIP].T, xb[:, start:]).to(torch.float32).numpy()
+            for start in range(0, x.shape[1], GRAM_STRIP)]
+
+
 def bf16_operand(x: np.ndarray) -> np.ndarray:
     """float32 `x` stored as bfloat16 (nearest even, as torch rounds a bf16 product's operands), in half the
     memory: a bf16 product of the result is the product of `x`, bit for bit. (The calibration loop keeps a value so
@@ -70,7 +83,17 @@ def bf16_operand(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16)
 
 
-_KIND_PRODUCTS: dict[str, Product] = {"f32": np.matmul, "bf16": _bf16_matmul}
+@dataclass(frozen=True)
+class _Kind:
+    """How one kind computes each product the module offers."""
+
+    matmul: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    gram_upper: Callable[[np.ndarray], list[np.ndarray]]
+
+
+_KIND_PRODUCTS = {"f32": _Kind(np.matmul, _f32_gram_upper), "bf16": _Kind(_bf16_matmul, _bf16_gram_upper)}
+
+_PRODUCTS: ContextVar[_Kind] = ContextVar("topq_products", default=_KIND_PRODUCTS["f32"])
 
 
 def check_kind(kind: str, what: str = "products") -> str:
@@ -84,7 +107,19 @@ def check_kind(kind: str, what: str = "products") -> str:
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a @ b with the products of the current `products` block (float32 numpy outside any)."""
-    return _PRODUCT.get()(a, b)
+    return _PRODUCTS.get().matmul(a, b)
+
+
+def gram_upper(x: np.ndarray) -> list[np.ndarray]:
+    """The upper triangle of xᵀx (x float32 [tokens, K]) with the current block's products, as row strips: strip i
+    is rows [iS, iS + S) and columns [iS, K) of xᵀx, S = GRAM_STRIP.
+
+    A Gram is symmetric. numpy's float32 product computes one triangle already (syrk; the strips are views of its
+    whole result); torch has no syrk, so in bf16 only the strips are multiplied, ~0.6× a whole product's time at
+    K = 1,536 (`benchmarks/calibration_kernels.py`). The strips are the same bits as those rows of one whole bf16
+    product, and that product is symmetric to the bit (tests/ir/test_products.py, the calibration shapes): a Gram
+    mirrored from its strips is the whole product's."""
+    return _PRODUCTS.get().gram_upper(x)
 
 
 def linear(x: np.ndarray, w: np.ndarray, transpose: bool) -> np.ndarray:
@@ -99,11 +134,11 @@ def linear(x: np.ndarray, w: np.ndarray, transpose: bool) -> np.ndarray:
 @contextmanager
 def products(kind: str) -> Iterator[None]:
     """Run the block's linear products (see the module doc) as `kind`: "f32" (numpy) or "bf16" (torch)."""
-    token = _PRODUCT.set(_KIND_PRODUCTS[check_kind(kind)])
+    token = _PRODUCTS.set(_KIND_PRODUCTS[check_kind(kind)])
     try:
         yield
     finally:
-        _PRODUCT.reset(token)
+        _PRODUCTS.reset(token)
 
 
 @contextmanager

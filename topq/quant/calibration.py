@@ -50,16 +50,18 @@ from topq.core.stages import rope_weights
 from topq.ir.analysis import linear_uses, producer, weight_name
 from topq.ir.graph import Function, Module, Operation, Value
 from topq.ir.interpreter import Interpreter, Step
-from topq.ir.products import bf16_operand, check_kind, matmul, products, torch_threads
+from topq.ir.products import GRAM_STRIP, bf16_operand, check_kind, gram_upper, products, torch_threads
 from topq.ir.reference_ops import REFERENCE_OPS, mlp_down, mlp_hidden, moe_expert_tokens, moe_routing
 from topq.ir.threads import blas_threads, fixed_threads
 from topq.ir.types import round_to_dtype
 from topq.quant.grid import (
+    MapFn,
     check_bits,
     output_error,
     output_errors,
     quantize_groups,
     resolve_group_size,
+    serial_map,
 )
 from topq.quant.memory import keep_freed_memory
 from topq.quant.options import (
@@ -232,12 +234,16 @@ def calibration_windows(model: LoadedModel, recipe: Recipe, progress: bool = Tru
 # ================================================================================ statistics
 
 
+Summary = tuple[list[np.ndarray], np.ndarray | None, int]
+
+
 class InputStats:
-    """Running statistics of one linear input x [tokens, K]: Gram matrix Σxᵀx (float64) and Σ|x|."""
+    """Running statistics of one linear input x [tokens, K]: Gram matrix Σxᵀx (float64, its upper triangle) and
+    Σ|x|."""
 
     def __init__(self, k: int) -> None:
         self.k = k
-        self.gram = np.zeros((k, k), dtype=np.float64)
+        self._upper = np.zeros((k, k), dtype=np.float64)  # Σxᵀx on and above the diagonal; zeros below
         self.abs_sum: np.ndarray | None = np.zeros(k, dtype=np.float64)
         self.count = 0
 
@@ -245,16 +251,18 @@ class InputStats:
         self.add_summary(self.summarize(x))
 
     @staticmethod
-    def summarize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int]:
-        """One sample's share: its float32 Gram xᵀx (the costly part; the layer loop's tasks compute it in
-        parallel, with the step's products: `topq.ir.products`), Σ|x| and its token count."""
+    def summarize(x: np.ndarray) -> Summary:
+        """One sample's share: its float32 Gram xᵀx as `gram_upper`'s strips (the costly part; the layer loop's
+        tasks compute it in parallel, with the step's products: `topq.ir.products`), Σ|x| and its token count."""
         x2 = _rows(x)
-        return matmul(x2.T, x2), np.abs(x2).sum(axis=0, dtype=np.float64), x2.shape[0]
+        return gram_upper(x2), np.abs(x2).sum(axis=0, dtype=np.float64), x2.shape[0]
 
-    def add_summary(self, summary: tuple[np.ndarray, np.ndarray | None, int]) -> None:
-        gram, abs_sum, count = summary
-        # float32 GEMM per sample (fast), accumulated across samples in float64 (no drift over many samples)
-        self.gram += gram
+    def add_summary(self, summary: Summary) -> None:
+        strips, abs_sum, count = summary
+        # float32 products per sample (fast), accumulated across samples in float64 (no drift over many samples);
+        # only the upper triangle, half the adds: `hessian` mirrors it
+        for start, strip in zip(range(0, self.k, GRAM_STRIP), strips):
+            self._upper[start:start + GRAM_STRIP, start:] += strip
         if self.abs_sum is not None:  # HessianStats keeps none
             self.abs_sum += abs_sum
         self.count += count
@@ -263,7 +271,9 @@ class InputStats:
         """H = mean xᵀx [K, K]: ||X Wᵀ - X Ŵᵀ||² / tokens = Σ_n ΔW_n H ΔW_nᵀ."""
         if self.count == 0:
             raise TopqError("calibration captured no inputs for a quant group")
-        return self.gram / self.count
+        gram = np.triu(self._upper)  # the strips' parts below the diagonal were never added
+        np.copyto(gram, gram.T, where=np.tri(self.k, k=-1, dtype=bool))  # mirrored: the same bits as each sum
+        return gram / self.count
 
     def abs_mean(self) -> np.ndarray:
         """Mean |x| per input channel (AWQ's activation salience)."""
@@ -281,9 +291,9 @@ class HessianStats(InputStats):
         self.abs_sum = None
 
     @staticmethod
-    def summarize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, int]:
+    def summarize(x: np.ndarray) -> Summary:
         x2 = _rows(x)
-        return matmul(x2.T, x2), None, x2.shape[0]
+        return gram_upper(x2), None, x2.shape[0]
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -415,13 +425,14 @@ class LayerState:
         return taken
 
     def record(self, names: Sequence[str], weights: Sequence[np.ndarray], effective: Sequence[np.ndarray],
-               h: np.ndarray, bits: int, group_size: int | None, symmetric: bool) -> None:
+               h: np.ndarray, bits: int, group_size: int | None, symmetric: bool, map: MapFn = serial_map) -> None:
         """Log each linear's calibration output error next to plain RTN's (both through the same H), relative to
-        ||X Wᵀ||² over the same inputs (relative Frobenius norms of the outputs)."""
-        # every row of every linear's three products (its error, RTN's, the reference) through H in one GEMM
+        ||X Wᵀ||² over the same inputs (relative Frobenius norms of the outputs). The products run on `map`
+        (`GroupInputs.map`)."""
+        # every row of every linear's three products (its error, RTN's, the reference) through H
         rows = [(w - w_eff, w - quantize_groups(w, bits, group_size, symmetric).dequantize(), w)
                 for w, w_eff in zip(weights, effective)]
-        sums = output_errors([part for parts in rows for part in parts], h)
+        sums = output_errors([part for parts in rows for part in parts], h, map)
         for name, (error, rtn_error, reference) in zip(names, sums.reshape(len(rows), 3)):
 
             def rel(e: float, reference: float = float(reference)) -> float:
@@ -441,13 +452,6 @@ class LayerState:
 
 
 # ================================================================================ the graph side
-
-
-MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], list[Any]]
-
-
-def serial_map(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-    return [fn(item) for item in items]
 
 
 @dataclass
@@ -694,7 +698,8 @@ def stacked_solver(solve: WeightSolver) -> GroupSolver:
         state.set_quantized_rows(group.names, solve(np.concatenate(weights, axis=0), group.stats, options, **extra))
         if isinstance(group.stats, InputStats):  # the error report is measured through H
             state.record(group.names, weights, [state.current_weight(n) for n in group.names],
-                         group.stats.hessian(), options["bits"], options["group_size"], options["symmetric"])
+                         group.stats.hessian(), options["bits"], options["group_size"], options["symmetric"],
+                         group.map)
 
     return solve_group
 

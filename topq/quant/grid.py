@@ -16,7 +16,8 @@ Groups run along the input dimension K of a weight [N, K]: column k belongs to g
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,23 @@ from topq.core.quant import QuantizedWeight, resolve_group_size
 
 #: a group whose range is zero (all zeros) gets this scale: codes stay at the zero point and dequantize to 0.
 TINY_SCALE = 1e-12
+
+#: rows per product of `output_errors` (`row_blocks`): blocks this large keep BLAS on the kernels of one product of
+#: all the rows, so each row's result does not depend on the blocks (tests/quant/test_quant_algorithms.py)
+REPORT_ROWS = 512
+
+#: `map(fn, items)` ≡ `[fn(item) for item in items]`, run anywhere (`GroupInputs.map`: the layer loop's threads)
+MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], list[Any]]
+
+
+def serial_map(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    return [fn(item) for item in items]
+
+
+def row_blocks(n: int, size: int) -> list[slice]:
+    """N rows as ceil(N / size) blocks of near-equal size, in order."""
+    bounds = np.linspace(0, n, max(1, -(-n // size)) + 1).round().astype(int).tolist()
+    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def check_bits(bits: int) -> int:
@@ -183,14 +201,18 @@ def output_error(w: np.ndarray, w_hat: np.ndarray, h: np.ndarray) -> np.ndarray:
     return np.einsum("nk,nk->n", d @ np.asarray(h, dtype=np.float64), d)
 
 
-def output_errors(diffs: Sequence[np.ndarray], h: np.ndarray) -> np.ndarray:
-    """Σ_n d_n H d_nᵀ for each matrix d of `diffs` (rows [N_i, K]): one float32 GEMM over all their rows, each
-    row's dot product summed in float64. For reports (`output_error` is the float64 reference): the float32
-    products differ from it by ~1e-5 relative."""
+def output_errors(diffs: Sequence[np.ndarray], h: np.ndarray, map: MapFn = serial_map) -> np.ndarray:
+    """Σ_n d_n H d_nᵀ for each matrix d of `diffs` (rows [N_i, K]): float32 GEMMs over blocks of all their rows
+    (`REPORT_ROWS`, run on `map`), each row's dot product summed in float64. For reports (`output_error` is the
+    float64 reference): the float32 products differ from it by ~1e-5 relative."""
     d = np.concatenate([np.asarray(x, dtype=np.float32) for x in diffs], axis=0)
-    per_row = np.einsum("nk,nk->n", d @ np.asarray(h, dtype=np.float32), d, dtype=np.float64)
+    h32 = np.asarray(h, dtype=np.float32)
+    if not len(d):
+        return np.zeros(len(diffs))
+    per_row = np.concatenate(map(lambda rows: np.einsum("nk,nk->n", d[rows] @ h32, d[rows], dtype=np.float64),
+                                 row_blocks(len(d), REPORT_ROWS)))
     bounds = np.cumsum([0] + [np.shape(x)[0] for x in diffs])
-    return np.add.reduceat(per_row, bounds[:-1]) if len(d) else np.zeros(len(diffs))
+    return np.add.reduceat(per_row, bounds[:-1])
 
 
 def to_signed_symmetric(weight: QuantizedWeight) -> QuantizedWeight:

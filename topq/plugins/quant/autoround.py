@@ -98,7 +98,7 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
     qw = stack_rows(group.map(solve_rows, starts))
     state.set_quantized_rows(group.names, qw)
     state.record(group.names, weights, [state.current_weight(n) for n in group.names], h, options["bits"],
-                 options["group_size"], options["symmetric"])
+                 options["group_size"], options["symmetric"], group.map)
     for row in state.result.report[-len(group.names):]:
         row["objective"] = "linear"
 

@@ -24,18 +24,14 @@ import topq
 from topq.core.hookspecs import Register
 from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
-from topq.quant.calibration import (
-    GroupInputs,
-    LayerState,
-    MapFn,
-    calibration_scheme,
-    serial_map,
-)
+from topq.quant.calibration import GroupInputs, LayerState, calibration_scheme
 from topq.quant.grid import (
+    MapFn,
     check_bits,
     fake_quant,
     quantize_groups,
     resolve_group_size,
+    serial_map,
 )
 
 N_GRID = 20
@@ -164,7 +160,8 @@ def solve_group(group: GroupInputs, state: LayerState, options: Mapping[str, Any
         s = search.scales
     # What the model now computes for the original input x: (x / s) · Q(W s)ᵀ = x · (Q(W s) / s)ᵀ.
     effective = [state.current_weight(name) / s for name in group.names]
-    state.record(group.names, weights, effective, h, options["bits"], options["group_size"], options["symmetric"])
+    state.record(group.names, weights, effective, h, options["bits"], options["group_size"], options["symmetric"],
+                 group.map)
 
 
 SCHEME = calibration_scheme(

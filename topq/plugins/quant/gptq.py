@@ -18,14 +18,17 @@ from topq.core.errors import TopqError
 from topq.core.hookspecs import Register
 from topq.core.quant import Option, QuantizedWeight, QuantScheme
 from topq.core.recipe import Field
-from topq.quant.calibration import HessianStats, InputStats, MapFn, calibration_scheme, serial_map
+from topq.quant.calibration import HessianStats, InputStats, calibration_scheme
 from topq.quant.grid import (
+    MapFn,
     check_bits,
     make_quantized,
     params_from_range,
     quantize_values,
     resolve_group_size,
+    row_blocks,
     search_range,
+    serial_map,
 )
 
 
@@ -133,12 +136,6 @@ class _Columns:
         return codes, scales, zeros
 
 
-def row_blocks(n: int) -> list[slice]:
-    """N rows as ceil(N / ROW_BLOCK) blocks of near-equal size, in order."""
-    bounds = np.linspace(0, n, max(1, -(-n // ROW_BLOCK)) + 1).round().astype(int).tolist()
-    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
 def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
          act_order: bool = False, damp: float = 0.01, block_size: int = 128,
          static_groups: bool = False, scale_search: str = "minmax", map: MapFn = serial_map) -> QuantizedWeight:
@@ -157,7 +154,7 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
     less diag(H)-weighted squared error (`search_range`), with the group's weights as the solver sees them.
 
     Rows never interact (each sees the same H), so after the one Cholesky factorisation the column loop runs on
-    row blocks (`row_blocks`), through `map` (`GroupInputs.map`: the layer loop's threads).
+    row blocks (`row_blocks` of `ROW_BLOCK` rows), through `map` (`GroupInputs.map`: the layer loop's threads).
     """
     w = np.asarray(w, dtype=np.float64)
     h = np.asarray(h, dtype=np.float64)
@@ -177,7 +174,7 @@ def gptq(w: np.ndarray, h: np.ndarray, bits: int = 4, group_size: int | None = 1
     columns = _Columns(_inverse_cholesky(H, damp).astype(np.float32), np.diag(H)[:, None].astype(np.float32), perm,
                        dead, bits, gs, symmetric, max(1, int(block_size)), static_groups,
                        scale_search == "mse")
-    parts = map(lambda rows: columns.solve(w[rows]), row_blocks(n))
+    parts = map(lambda rows: columns.solve(w[rows]), row_blocks(n, ROW_BLOCK))
     codes, scales, zeros = (np.concatenate([p[i] for p in parts], axis=1).T for i in range(3))
 
     if not act_order:

@@ -26,8 +26,8 @@ from topq.plugins.quant.awq import awq, awq_clip_search, awq_scale_search
 from topq.plugins.quant.gptq import _upper_inverse_factor, gptq
 from topq.quant.calibration import GroupInputs, LayerState
 from topq.quant.grid import (
-    code_range,
     REPORT_ROWS,
+    code_range,
     fake_quant,
     output_error,
     output_errors,

@@ -119,12 +119,15 @@ def test_shrink_clamps_the_range() -> None:
 # ------------------------------------------------------------------------------------------- GPTQ
 
 
-def test_upper_inverse_factor_is_the_reference_factor() -> None:
+@pytest.mark.parametrize("k", [48, 500])
+def test_upper_inverse_factor_is_the_reference_factor(k: int) -> None:
+    """One block and, at 500 columns, three blocks of the triangular inverse (INVERSE_BLOCK = 192)."""
+    assert (k > gptq_module.INVERSE_BLOCK) == (k == 500)
     rng = np.random.default_rng(3)
-    a = rng.normal(size=(48, 48))
-    h = a @ a.T + 48 * np.eye(48)
+    a = rng.normal(size=(k, k))
+    h = a @ a.T + k * np.eye(k)
     u = _upper_inverse_factor(h)
-    np.testing.assert_allclose(u, np.triu(u))
+    np.testing.assert_array_equal(u, np.triu(u))
     np.testing.assert_allclose(u, np.linalg.cholesky(np.linalg.inv(h)).T, rtol=1e-9, atol=1e-12)
 
 

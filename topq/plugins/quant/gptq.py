@@ -38,7 +38,11 @@ def _upper_inverse_factor(a: np.ndarray) -> np.ndarray:
     With J the index reversal, J A J = L Lᵀ gives A⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J) and J L⁻¹ J is upper triangular:
     one Cholesky and one triangular inverse (the reference's cholesky → cholesky_inverse → cholesky does three
     cubic steps). torch's LAPACK is used when installed: numpy's bundled OpenBLAS Cholesky was measured ~20×
-    slower at K = 1536 (4.4 s vs 0.2 s), the bottleneck of a whole-model run."""
+    slower at K = 1536 (4.4 s vs 0.2 s), the bottleneck of a whole-model run.
+
+    The inverse is solved by blocks of INVERSE_BLOCK columns, each against the trailing factor only: L⁻¹'s columns
+    [a, b) are zero above row a, so ~K³/3 multiply-adds instead of a solve against the whole identity's K³ (torch
+    has no `trtri`). The float64 result differs from one whole solve in its last bits; GPTQ casts it to float32."""
     rev = np.ascontiguousarray(np.asarray(a, dtype=np.float64)[::-1, ::-1])
     try:
         import torch
@@ -47,9 +51,18 @@ def _upper_inverse_factor(a: np.ndarray) -> np.ndarray:
     lower, info = torch.linalg.cholesky_ex(torch.from_numpy(rev))
     if int(info) != 0:
         raise np.linalg.LinAlgError("not positive definite")
-    eye = torch.eye(rev.shape[0], dtype=torch.float64)
-    inv_lower = torch.linalg.solve_triangular(lower, eye, upper=False)
+    k = rev.shape[0]
+    inv_lower = torch.zeros((k, k), dtype=torch.float64)
+    for cols in row_blocks(k, INVERSE_BLOCK):
+        a0, a1 = cols.start, cols.stop
+        identity = torch.zeros((k - a0, a1 - a0), dtype=torch.float64)
+        identity[:a1 - a0].fill_diagonal_(1.0)
+        inv_lower[a0:, a0:a1] = torch.linalg.solve_triangular(lower[a0:, a0:], identity, upper=False)
     return inv_lower.numpy()[::-1, ::-1].copy()
+
+
+#: columns per triangular solve of `_upper_inverse_factor`
+INVERSE_BLOCK = 192
 
 
 def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:

@@ -243,7 +243,8 @@ class InputStats:
 
     def __init__(self, k: int) -> None:
         self.k = k
-        self._upper = np.zeros((k, k), dtype=np.float64)  # Σxᵀx on and above the diagonal; zeros below
+        # Σxᵀx on and above the diagonal; below it only what the strips' diagonal blocks add, which `hessian` drops
+        self._upper = np.zeros((k, k), dtype=np.float64)
         self.abs_sum: np.ndarray | None = np.zeros(k, dtype=np.float64)
         self.count = 0
 
@@ -271,7 +272,7 @@ class InputStats:
         """H = mean xᵀx [K, K]: ||X Wᵀ - X Ŵᵀ||² / tokens = Σ_n ΔW_n H ΔW_nᵀ."""
         if self.count == 0:
             raise TopqError("calibration captured no inputs for a quant group")
-        gram = np.triu(self._upper)  # the strips' parts below the diagonal were never added
+        gram = np.triu(self._upper)
         np.copyto(gram, gram.T, where=np.tri(self.k, k=-1, dtype=bool))  # mirrored: the same bits as each sum
         return gram / self.count
 

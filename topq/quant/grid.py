@@ -27,8 +27,9 @@ from topq.core.quant import QuantizedWeight, resolve_group_size
 #: a group whose range is zero (all zeros) gets this scale: codes stay at the zero point and dequantize to 0.
 TINY_SCALE = 1e-12
 
-#: rows per product of `output_errors` (`row_blocks`): blocks this large keep BLAS on the kernels of one product of
-#: all the rows, so each row's result does not depend on the blocks (tests/quant/test_quant_algorithms.py)
+#: rows per product of `output_errors` (`row_blocks`): in blocks this large each row's result is the one product's
+#: of all the rows (checked on SmolLM2's report shapes, tests/quant/test_quant_algorithms.py); blocks of a few rows
+#: can take BLAS's small-matrix kernels, whose bits differ
 REPORT_ROWS = 512
 
 #: `map(fn, items)` ≡ `[fn(item) for item in items]`, run anywhere (`GroupInputs.map`: the layer loop's threads)

@@ -273,8 +273,14 @@ class InputStats:
         if self.count == 0:
             raise TopqError("calibration captured no inputs for a quant group")
         gram = np.triu(self._upper)
-        np.copyto(gram, gram.T, where=np.tri(self.k, k=-1, dtype=bool))  # mirrored: the same bits as each sum
-        return gram / self.count
+        for start in range(0, self.k, GRAM_STRIP):  # mirrored strip by strip (no [K, K] temporaries): copies
+            stop = start + GRAM_STRIP
+            gram[stop:, start:stop] = gram[start:stop, stop:].T
+            diagonal = gram[start:stop, start:stop]
+            below = np.tril_indices(len(diagonal), -1)
+            diagonal[below] = diagonal.T[below]
+        gram /= self.count
+        return gram
 
     def abs_mean(self) -> np.ndarray:
         """Mean |x| per input channel (AWQ's activation salience)."""

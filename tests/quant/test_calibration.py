@@ -15,7 +15,7 @@ from topq.core.errors import TopqError
 from topq.core.recipe import recipe_from_defaults
 from topq.io.tokenizer import tokenizer_files_of
 from topq.ir.interpreter import Interpreter
-from topq.ir.products import matmul, products
+from topq.ir.products import gram_upper, matmul, products
 from topq.plugins.quant.autoround import SCHEME as autoround_scheme
 from topq.plugins.quant.awq import SCHEME as awq_scheme
 from topq.plugins.quant.gptq import SCHEME as gptq_scheme
@@ -184,21 +184,30 @@ def rtn_solver(seen: dict[tuple[int, tuple[str, ...]], InputStats]) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["f32", "bf16"])
-def test_the_hessian_is_the_mean_of_the_samples_whole_grams(kind: str) -> None:
-    """InputStats sums only the Grams' upper strips and mirrors them: the same bits as summing whole products."""
+def test_the_hessian_is_the_mean_of_the_samples_upper_triangles_mirrored(kind: str) -> None:
+    """InputStats sums only the Grams' upper strips (float64, sample order) and mirrors them: the bits of each
+    sample's upper triangle summed, on both sides of the diagonal. In float32 that is the whole products' sum (numpy's
+    product is symmetric)."""
     rng = np.random.default_rng(6)
     k = 300  # two strips, the second narrower
-    stats, whole = InputStats(k), np.zeros((k, k))
+    stats, upper, whole = InputStats(k), np.zeros((k, k)), np.zeros((k, k))
     with products(kind):
         for _ in range(3):
             x = rng.standard_normal((2, 70, k), dtype=np.float32) * rng.uniform(0.1, 4.0, k).astype(np.float32)
             stats.add(x)
             x2 = x.reshape(-1, k)
+            for start, strip in zip(range(0, k, 256), gram_upper(x2)):
+                upper[start:start + 256, start:] += np.triu(strip, 0)  # on and above the diagonal
             whole += matmul(x2.T, x2)
     h = stats.hessian()
-    np.testing.assert_array_equal(h, whole / 420)
+    expected = np.triu(upper) + np.triu(upper, 1).T
+    np.testing.assert_array_equal(h, expected / 420)
     np.testing.assert_array_equal(h, h.T)
     assert stats.count == 420
+    if kind == "f32":
+        np.testing.assert_array_equal(h, whole / 420)
+    else:
+        np.testing.assert_allclose(h, whole / 420, rtol=2.0 ** -6, atol=0.02 * float(np.abs(whole).max()) / 420)
 
 
 def test_hessian_stats_are_input_stats_without_the_magnitudes() -> None:

@@ -116,9 +116,10 @@ def gram_upper(x: np.ndarray) -> list[np.ndarray]:
 
     A Gram is symmetric. numpy's float32 product computes one triangle already (syrk; the strips are views of its
     whole result); torch has no syrk, so in bf16 only the strips are multiplied, ~0.6× a whole product's time at
-    K = 1,536 (`benchmarks/calibration_kernels.py`). The strips are the same bits as those rows of one whole bf16
-    product, and that product is symmetric to the bit (tests/ir/test_products.py, the calibration shapes): a Gram
-    mirrored from its strips is the whole product's."""
+    K = 1,536 (`benchmarks/calibration_kernels.py`). On an AVX512-BF16 CPU the strips are the very bits of those
+    rows of one whole bf16 product, which is symmetric to the bit (docs/speed.md, twenty-fifth round), so a Gram
+    mirrored from its strips is the whole product's; another CPU's kernels may sum in another order (within bf16
+    rounding: tests/ir/test_products.py). Either way the strips depend on nothing but x: not on the jobs."""
     return _PRODUCTS.get().gram_upper(x)
 
 

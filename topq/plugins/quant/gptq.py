@@ -31,6 +31,9 @@ from topq.quant.grid import (
     serial_map,
 )
 
+#: columns per triangular solve of `_upper_inverse_factor`
+INVERSE_BLOCK = 192
+
 
 def _upper_inverse_factor(a: np.ndarray) -> np.ndarray:
     """U upper-triangular with UᵀU = A⁻¹ for a symmetric positive definite A; LinAlgError if A is not.
@@ -59,10 +62,6 @@ def _upper_inverse_factor(a: np.ndarray) -> np.ndarray:
         identity[:a1 - a0].fill_diagonal_(1.0)
         inv_lower[a0:, a0:a1] = torch.linalg.solve_triangular(lower[a0:, a0:], identity, upper=False)
     return inv_lower.numpy()[::-1, ::-1].copy()
-
-
-#: columns per triangular solve of `_upper_inverse_factor`
-INVERSE_BLOCK = 192
 
 
 def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray:
